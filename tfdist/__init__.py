@@ -1,0 +1,48 @@
+"""tfdist: one-line distributed training for Keras 3 on TensorFlow.
+
+    import tfdist
+    with tfdist.scope():
+        model = build_model()
+        model.compile(...)
+    model.fit(...)
+
+Public names load on first use (PEP 562), so ``import tfdist`` and the launcher
+``tfdist.run`` never import TensorFlow by themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "ClusterInfo": "tfdist.cluster",
+    "cluster_from_env": "tfdist.cluster",
+    "make_tf_config": "tfdist.cluster",
+    "scope": "tfdist.strategy",
+    "get_strategy": "tfdist.strategy",
+    "init": "tfdist.strategy",
+    "StrategyError": "tfdist.strategy",
+    "size": "tfdist.topology",
+    "rank": "tfdist.topology",
+    "local_rank": "tfdist.topology",
+    "local_size": "tfdist.topology",
+    "num_workers": "tfdist.topology",
+    "is_chief": "tfdist.topology",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,41 @@
+"""The ``tfdist`` command: ``tfdist run|bench|convert|doctor ...``.
+
+Each subcommand's module is imported only when it is used, so ``tfdist run``
+starts without importing TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Sequence
+
+_SUBCOMMANDS = {
+    "run": ("tfdist.run", "start N workers of a multi-worker job on this machine"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatches to a subcommand; returns its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in _SUBCOMMANDS:
+        print(f"tfdist: unknown command {name!r}; choose one of {sorted(_SUBCOMMANDS)}.\n\n{_usage()}",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(_SUBCOMMANDS[name][0])
+    return module.main(rest)
+
+
+def _usage() -> str:
+    lines = ["usage: tfdist COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<8} {help_text}" for name, (_, help_text) in _SUBCOMMANDS.items()]
+    lines += ["", "Run 'tfdist COMMAND --help' for a command's options."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

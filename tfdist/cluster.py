@@ -1,0 +1,247 @@
+"""Who am I in the job: the cluster as the environment describes it.
+
+Standard library only, so the launcher can use it without importing TensorFlow.
+Every reader is a pure function of an environment mapping (default ``os.environ``).
+
+Sources, in order of precedence:
+
+* ``TF_CONFIG`` (TensorFlow's own format; ``tfdist run`` writes it too, together with
+  the ``TFDIST_*`` rank variables, and is then reported as source ``"tfdist"``);
+* SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...);
+* nothing: a single worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Mapping, Sequence
+
+# Variables ``tfdist run`` sets for each worker, besides TF_CONFIG.
+ENV_WORKER_INDEX = "TFDIST_WORKER_INDEX"
+ENV_NUM_WORKERS = "TFDIST_NUM_WORKERS"
+ENV_LOCAL_RANK = "TFDIST_LOCAL_RANK"
+ENV_LOCAL_SIZE = "TFDIST_LOCAL_SIZE"
+ENV_CPU_DEVICES = "TFDIST_CPU_DEVICES"
+# Base port for SLURM jobs: worker with local id k listens on base + k.
+ENV_SLURM_PORT = "TFDIST_PORT"
+DEFAULT_SLURM_PORT = 23456
+
+_TASK_TYPES = ("chief", "worker")
+_EXAMPLE_TF_CONFIG = (
+    '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
+class ClusterConfigError(ValueError):
+    """The environment describes a cluster that tfdist cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """Where this process stands in the job.
+
+    Attributes:
+        num_workers: worker processes in the job (1 when there is no cluster).
+        worker_index: this worker's rank, 0..num_workers-1 (the chief is 0).
+        local_rank: rank among the workers on this host.
+        local_size: workers on this host.
+        is_chief: whether this worker writes checkpoints, logs and results.
+        worker_addresses: "host:port" of every worker, in rank order.
+        source: "tf_config", "tfdist", "slurm" or "none".
+    """
+
+    num_workers: int = 1
+    worker_index: int = 0
+    local_rank: int = 0
+    local_size: int = 1
+    is_chief: bool = True
+    worker_addresses: tuple[str, ...] = ()
+    source: str = "none"
+
+    @property
+    def is_multi_worker(self) -> bool:
+        """True when the job has more than one worker process."""
+        return self.num_workers > 1
+
+
+def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Reads the cluster from TF_CONFIG, else SLURM, else returns a single worker.
+
+    Args:
+        env: environment mapping; ``os.environ`` when None.
+
+    Returns:
+        A new ClusterInfo.
+
+    Raises:
+        ClusterConfigError: TF_CONFIG or the SLURM variables are malformed.
+    """
+    env = os.environ if env is None else env
+    if env.get("TF_CONFIG", "").strip():
+        return _from_tf_config(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _from_slurm(env)
+    return ClusterInfo()
+
+
+def make_tf_config(worker_addresses: Sequence[str], index: int) -> str:
+    """Returns the TF_CONFIG JSON string for worker ``index`` of ``worker_addresses``.
+
+    Raises:
+        ClusterConfigError: no addresses, or the index is out of range.
+    """
+    addresses = list(worker_addresses)
+    if not addresses:
+        raise ClusterConfigError("make_tf_config needs at least one worker address; received [].")
+    if not 0 <= index < len(addresses):
+        raise ClusterConfigError(
+            f"Worker index {index} is out of range for {len(addresses)} workers; "
+            f"use 0..{len(addresses) - 1}."
+        )
+    return json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
+
+
+def _from_tf_config(env: Mapping[str, str]) -> ClusterInfo:
+    raw = env["TF_CONFIG"]
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise _tf_config_error(f"TF_CONFIG is not valid JSON ({err.msg}): received {raw!r}.")
+    if not isinstance(config, dict) or "cluster" not in config or "task" not in config:
+        raise _tf_config_error(f"TF_CONFIG needs both 'cluster' and 'task' keys: received {raw!r}.")
+    cluster, task = config["cluster"], config["task"]
+    if not isinstance(cluster, dict) or not isinstance(task, dict):
+        raise _tf_config_error(f"TF_CONFIG 'cluster' and 'task' must be objects: received {raw!r}.")
+    unknown = sorted(set(cluster) - set(_TASK_TYPES))
+    if unknown:
+        raise _tf_config_error(
+            f"TF_CONFIG cluster has task type(s) {unknown} that tfdist does not support "
+            f"(parameter-server and evaluator jobs are not data-parallel); "
+            f"use only {list(_TASK_TYPES)}."
+        )
+    task_type, index = task.get("type"), task.get("index")
+    if task_type not in _TASK_TYPES:
+        raise _tf_config_error(
+            f"TF_CONFIG task type {task_type!r} is not one of {list(_TASK_TYPES)}."
+        )
+    members = cluster.get(task_type) or []
+    if not isinstance(index, int) or not 0 <= index < len(members):
+        raise _tf_config_error(
+            f"TF_CONFIG task index {index!r} is out of range: cluster[{task_type!r}] has "
+            f"{len(members)} address(es), so use 0..{len(members) - 1}."
+        )
+    # Rank order: the chief (if any) first, then the workers.
+    addresses = tuple(cluster.get("chief", [])) + tuple(cluster.get("worker", []))
+    rank = index if task_type == "chief" else len(cluster.get("chief", [])) + index
+    local_rank, local_size = _local_position(addresses, rank)
+    source = "tfdist" if ENV_WORKER_INDEX in env else "tf_config"
+    return ClusterInfo(
+        num_workers=len(addresses),
+        worker_index=rank,
+        local_rank=_int_var(env, ENV_LOCAL_RANK, local_rank),
+        local_size=_int_var(env, ENV_LOCAL_SIZE, local_size),
+        is_chief=rank == 0,
+        worker_addresses=addresses,
+        source=source,
+    )
+
+
+def _tf_config_error(message: str) -> ClusterConfigError:
+    return ClusterConfigError(f"{message} A valid TF_CONFIG looks like: {_EXAMPLE_TF_CONFIG}")
+
+
+def _local_position(addresses: Sequence[str], rank: int) -> tuple[int, int]:
+    """Rank among the workers on the same host, and how many share that host."""
+    hosts = [address.rsplit(":", 1)[0] for address in addresses]
+    host = hosts[rank]
+    return hosts[:rank].count(host), hosts.count(host)
+
+
+def _from_slurm(env: Mapping[str, str]) -> ClusterInfo:
+    num_workers = _int_var(env, "SLURM_NTASKS", 1)
+    rank = _int_var(env, "SLURM_PROCID", 0)
+    if not 0 <= rank < num_workers:
+        raise ClusterConfigError(
+            f"SLURM_PROCID={rank} is out of range for SLURM_NTASKS={num_workers}; "
+            "run the script with srun so SLURM sets both."
+        )
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    tasks_per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not nodelist or not tasks_per_node:
+        raise ClusterConfigError(
+            "SLURM_PROCID is set but SLURM_STEP_NODELIST/SLURM_TASKS_PER_NODE are not; "
+            "start the workers with srun (it sets them), or set TF_CONFIG instead."
+        )
+    hosts = expand_slurm_nodelist(nodelist)
+    counts = expand_slurm_tasks_per_node(tasks_per_node)
+    if len(counts) != len(hosts) or sum(counts) != num_workers:
+        raise ClusterConfigError(
+            f"SLURM variables disagree: {len(hosts)} node(s) in {nodelist!r}, tasks per node "
+            f"{tasks_per_node!r}, SLURM_NTASKS={num_workers}. Start the workers with srun."
+        )
+    port = _int_var(env, ENV_SLURM_PORT, DEFAULT_SLURM_PORT)
+    addresses = tuple(
+        f"{host}:{port + local_id}" for host, count in zip(hosts, counts) for local_id in range(count)
+    )
+    local_rank, local_size = _local_position(addresses, rank)
+    return ClusterInfo(
+        num_workers=num_workers,
+        worker_index=rank,
+        local_rank=_int_var(env, "SLURM_LOCALID", local_rank),
+        local_size=local_size,
+        is_chief=rank == 0,
+        worker_addresses=addresses,
+        source="slurm",
+    )
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expands a SLURM host list: ``"gpu[01-03,07],login"`` -> gpu01, gpu02, gpu03, gpu07, login."""
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            if not (first.isdigit() and (not last or last.isdigit())):
+                raise ClusterConfigError(f"Cannot read SLURM node range {part!r} in {nodelist!r}.")
+            for number in range(int(first), int(last or first) + 1):
+                hosts.append(f"{prefix}{number:0{len(first)}d}{suffix}")
+    return hosts
+
+
+def expand_slurm_tasks_per_node(value: str) -> list[int]:
+    """Expands SLURM's tasks-per-node form: ``"2(x3),1"`` -> [2, 2, 2, 1]."""
+    counts = []
+    for part in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ClusterConfigError(f"Cannot read SLURM tasks per node {value!r}.")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ClusterConfigError(f"{name} must be an integer: received {value!r}.") from None
+
+
+def cpu_devices_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """Logical CPU devices requested by ``tfdist run --cpu-devices K`` (None if unset)."""
+    env = os.environ if env is None else env
+    if not env.get(ENV_CPU_DEVICES):
+        return None
+    count = _int_var(env, ENV_CPU_DEVICES, 1)
+    if count < 1:
+        raise ClusterConfigError(f"{ENV_CPU_DEVICES} must be >= 1: received {count}.")
+    return count

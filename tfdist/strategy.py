@@ -1,0 +1,302 @@
+"""The one place that builds tf.distribute strategies.
+
+``scope()`` reads the cluster from the environment, builds the strategy once per
+process (TensorFlow allows one MultiWorkerMirroredStrategy per process, created
+before its runtime starts), applies the Keras 3 multi-worker fixes, and enters it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Iterator, Sequence, Union
+
+import tensorflow as tf
+
+from tfdist import cluster as cluster_lib
+from tfdist import keras_fixes
+
+STRATEGY_NAMES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+CROSS_DEVICE_OPS = {
+    "nccl": tf.distribute.NcclAllReduce,
+    "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce,
+    "reduction_to_one": tf.distribute.ReductionToOneDevice,
+}
+COMMUNICATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+# Options scope() accepts besides strategy and devices, with their defaults.
+DEFAULT_OPTIONS = {
+    "cross_device_ops": None,     # mirrored: one of CROSS_DEVICE_OPS; None lets TF choose
+    "communication": "auto",      # multi_worker: one of COMMUNICATIONS
+    "collective_timeout": None,   # multi_worker: seconds before a stuck collective fails
+}
+
+DeviceSpec = Union[None, int, str, Sequence[str]]
+_PATTERN = re.compile(r"^(CPU|GPU):(\*|\d+|\[(\d+)-(\d+)\])$", re.IGNORECASE)
+
+_built: tuple[tuple, tf.distribute.Strategy] | None = None
+
+
+class StrategyError(ValueError):
+    """A strategy, device spec or option that tfdist cannot build; the message says the fix."""
+
+
+@contextlib.contextmanager
+def scope(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> Iterator[tf.distribute.Strategy]:
+    """Builds (once per process) and enters a distribution strategy; yields it.
+
+    Args:
+        strategy: "auto", "default", "one_device", "mirrored" or "multi_worker".
+            "auto" is multi_worker when the environment describes more than one
+            worker, mirrored when more than one device is selected, else default.
+        devices: None (all GPUs, else all CPU devices), an int N (the first N), a list
+            of names ("GPU:0", "/gpu:1"), or a pattern ("GPU:*", "GPU:[0-3]", "CPU:*").
+        **options: ``cross_device_ops`` (mirrored), ``communication`` and
+            ``collective_timeout`` (multi_worker).
+
+    Yields:
+        The tf.distribute.Strategy, entered.
+
+    Raises:
+        StrategyError: unknown name or option, devices that match nothing, a different
+            strategy requested after one was built, or multi_worker asked for after
+            TensorFlow initialised its runtime.
+    """
+    built = get_strategy(strategy, devices, **options)
+    with built.scope():
+        yield built
+
+
+def get_strategy(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> tf.distribute.Strategy:
+    """Returns the process's strategy, building it on the first call; does not enter it."""
+    global _built
+    key = _request_key(strategy, devices, options)
+    if _built is not None:
+        if key not in (_built[0], _request_key("auto", None, {})):
+            raise StrategyError(
+                f"tfdist already built a strategy for {_describe(_built[0])} in this process; "
+                f"received {_describe(key)}. A process can build one strategy: pass the same "
+                "arguments everywhere, or call tfdist.get_strategy() with none to reuse it."
+            )
+        return _built[1]
+    _built = (key, make_strategy(strategy, devices, **options))
+    return _built[1]
+
+
+def current_strategy() -> tf.distribute.Strategy | None:
+    """The strategy tfdist built in this process, or None."""
+    return None if _built is None else _built[1]
+
+
+def init(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> tf.distribute.Strategy:
+    """Horovod-style start: builds the strategy and makes it the process-wide default.
+
+    After ``init()``, code that never enters a scope (``keras.Sequential(...)``,
+    ``model.compile``, ``model.fit``) runs distributed. Returns the strategy.
+    """
+    built = get_strategy(strategy, devices, **options)
+    if tf.distribute.get_strategy() is not built:
+        tf.distribute.experimental_set_strategy(built)
+    return built
+
+
+def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
+                  cluster: cluster_lib.ClusterInfo | None = None, **options: Any) -> tf.distribute.Strategy:
+    """The factory: builds a new strategy by name, with no caching.
+
+    Most code wants ``scope()`` or ``get_strategy()``, which build once per process.
+    """
+    opts = _check_options(options)
+    if strategy not in STRATEGY_NAMES:
+        raise StrategyError(f"Unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}.")
+    cluster = cluster_lib.cluster_from_env() if cluster is None else cluster
+    _configure_cpu_devices(cluster_lib.cpu_devices_from_env())
+    if strategy == "auto":
+        strategy = _auto_name(cluster, devices)
+    if strategy == "multi_worker":
+        return _multi_worker(cluster, devices, opts)
+    if strategy == "default":
+        if devices is not None:
+            raise StrategyError(f"strategy='default' uses TensorFlow's placement; received devices={devices!r}. "
+                                "Drop devices, or use strategy='one_device' or 'mirrored'.")
+        return tf.distribute.get_strategy()
+    names = resolve_devices(devices)
+    if strategy == "one_device":
+        if len(names) != 1:
+            raise StrategyError(f"strategy='one_device' needs exactly one device; devices={devices!r} "
+                                f"selected {names}. Pass one, e.g. devices=['GPU:0'].")
+        return tf.distribute.OneDeviceStrategy(names[0])
+    cross_device_ops = opts["cross_device_ops"]
+    return tf.distribute.MirroredStrategy(
+        names, cross_device_ops=CROSS_DEVICE_OPS[cross_device_ops]() if cross_device_ops else None)
+
+
+def _auto_name(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec) -> str:
+    if cluster.is_multi_worker:
+        return "multi_worker"
+    names = resolve_devices(devices)
+    if len(names) > 1:
+        return "mirrored"
+    return "default" if devices is None else "one_device"
+
+
+def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: dict) -> tf.distribute.Strategy:
+    if runtime_initialized():
+        raise StrategyError(
+            "strategy='multi_worker' must be built before TensorFlow initialises its runtime, "
+            "but a TensorFlow op or device query already ran in this process. Call "
+            "tfdist.init() or enter tfdist.scope() at the top of your script, before any "
+            "other TensorFlow code."
+        )
+    if not cluster.is_multi_worker:
+        raise StrategyError(
+            f"strategy='multi_worker' needs a cluster of several workers, but the environment "
+            f"describes {cluster.num_workers} (source: {cluster.source}). Start the script with "
+            "'tfdist run -n N -- python script.py', set TF_CONFIG, or run it under srun."
+        )
+    _pin_gpus(cluster, devices)
+    keras_fixes.apply_multi_worker_fit_fixes()
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=COMMUNICATIONS[opts["communication"]],
+        timeout_seconds=opts["collective_timeout"],
+    )
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=_cluster_resolver(cluster), communication_options=options)
+
+
+def _cluster_resolver(cluster: cluster_lib.ClusterInfo):
+    if cluster.source in ("tf_config", "tfdist"):
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": list(cluster.worker_addresses)}),
+        task_type="worker", task_id=cluster.worker_index, rpc_layer="grpc")
+
+
+def _pin_gpus(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec) -> None:
+    """Gives each local worker its own GPUs (Horovod's pin-by-local-rank), before the runtime starts."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if devices is not None:
+        chosen = [gpus[i] for i in _select_indices(devices, [f"GPU:{i}" for i in range(len(gpus))])]
+    elif cluster.local_size > 1 and len(gpus) >= cluster.local_size:
+        per_worker = len(gpus) // cluster.local_size
+        chosen = gpus[cluster.local_rank * per_worker:(cluster.local_rank + 1) * per_worker]
+    else:
+        return
+    tf.config.set_visible_devices(chosen, "GPU")
+
+
+def resolve_devices(devices: DeviceSpec = None) -> list[str]:
+    """Turns a device spec into full logical device names.
+
+    Raises:
+        StrategyError: the spec is malformed or matches no visible device (the message
+            lists the visible ones).
+    """
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    visible = gpus + cpus
+    if devices is None:
+        return gpus or cpus
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        pool = gpus or cpus
+        if not 1 <= devices <= len(pool):
+            raise StrategyError(f"devices={devices} asks for {devices} device(s), but {len(pool)} are "
+                                f"visible: {_short(pool)}. Pass 1..{len(pool)}.")
+        return pool[:devices]
+    return [visible[i] for i in _select_indices(devices, visible)]
+
+
+def _select_indices(devices: DeviceSpec, visible: Sequence[str]) -> list[int]:
+    """Indices into ``visible`` (full or short names) that a name list or pattern selects."""
+    short = [_short_name(name) for name in visible]
+    if isinstance(devices, str):
+        match = _PATTERN.match(devices.strip())
+        if not match:
+            raise StrategyError(
+                f"Cannot read devices={devices!r}: use a pattern like 'GPU:*', 'GPU:[0-3]', 'CPU:*' "
+                "or 'GPU:1', a list of names, or an int.")
+        kind, index, first, last = match.groups()
+        kind = kind.upper()
+        if index == "*":
+            wanted = {s for s in short if s.startswith(kind + ":")}
+        elif first is not None:
+            wanted = {f"{kind}:{i}" for i in range(int(first), int(last) + 1)}
+        else:
+            wanted = {f"{kind}:{index}"}
+        chosen = [i for i, s in enumerate(short) if s in wanted]
+    elif isinstance(devices, (list, tuple)) and devices and all(isinstance(d, str) for d in devices):
+        chosen = []
+        for name in devices:
+            key = _short_name(name)
+            if key not in short:
+                raise StrategyError(f"Device {name!r} in devices={list(devices)!r} is not visible; "
+                                    f"visible devices: {_short(visible)}.")
+            chosen.append(short.index(key))
+    else:
+        raise StrategyError(f"Cannot read devices={devices!r}: pass None, an int, a list of names "
+                            "like ['GPU:0', 'GPU:1'], or a pattern like 'GPU:*'.")
+    if not chosen:
+        raise StrategyError(f"devices={devices!r} matches no visible device; visible devices: "
+                            f"{_short(visible)}.")
+    return chosen
+
+
+def _short_name(name: str) -> str:
+    """'/job:localhost/replica:0/task:0/device:GPU:1' or '/gpu:1' -> 'GPU:1'."""
+    kind, _, index = name.rsplit("/", 1)[-1].replace("device:", "").replace("physical_device:", "").rpartition(":")
+    return f"{kind.upper()}:{index}"
+
+
+def _short(names: Sequence[str]) -> list[str]:
+    return [_short_name(n) for n in names]
+
+
+def _check_options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(DEFAULT_OPTIONS))
+    if unknown:
+        raise StrategyError(f"Unknown option(s) {unknown}; tfdist.scope() accepts {sorted(DEFAULT_OPTIONS)}.")
+    opts = {**DEFAULT_OPTIONS, **options}
+    if opts["cross_device_ops"] not in (None, *CROSS_DEVICE_OPS):
+        raise StrategyError(f"Unknown cross_device_ops={opts['cross_device_ops']!r}; choose one of "
+                            f"{list(CROSS_DEVICE_OPS)} or None.")
+    if opts["communication"] not in COMMUNICATIONS:
+        raise StrategyError(f"Unknown communication={opts['communication']!r}; choose one of {list(COMMUNICATIONS)}.")
+    timeout = opts["collective_timeout"]
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise StrategyError(f"collective_timeout must be positive seconds or None: received {timeout!r}.")
+    return opts
+
+
+def _request_key(strategy: str, devices: DeviceSpec, options: dict) -> tuple:
+    devices_key = tuple(devices) if isinstance(devices, (list, tuple)) else devices
+    return strategy, devices_key, tuple(sorted(options.items()))
+
+
+def _describe(key: tuple) -> str:
+    strategy, devices, options = key
+    extra = "".join(f", {k}={v!r}" for k, v in options)
+    return f"strategy={strategy!r}, devices={devices!r}{extra}"
+
+
+def runtime_initialized() -> bool:
+    """Whether TensorFlow's eager runtime has started (after which devices and collectives are fixed)."""
+    from tensorflow.python.eager import context  # private: TF has no public query for this
+    return context.context()._context_handle is not None
+
+
+def _configure_cpu_devices(count: int | None) -> None:
+    """Splits the CPU into ``count`` logical devices (``tfdist run --cpu-devices``)."""
+    if count is None:
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == count:
+        return
+    if runtime_initialized():
+        raise StrategyError(
+            f"{cluster_lib.ENV_CPU_DEVICES}={count} asks for {count} logical CPU devices, but TensorFlow "
+            "already started with another number. Build the strategy before any other TensorFlow code.")
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)

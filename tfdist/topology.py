@@ -1,0 +1,54 @@
+"""Horovod-style questions about the job: how many, which one, am I the chief.
+
+``rank()``, ``local_rank()``, ``num_workers()`` and ``is_chief()`` read the cluster
+from the environment and work before TensorFlow starts; ``size()`` counts replicas
+and so needs the strategy.
+"""
+
+from __future__ import annotations
+
+from tfdist import cluster
+
+
+def size() -> int:
+    """Replicas in sync across the whole job (all workers, all their devices).
+
+    Raises:
+        RuntimeError: no strategy yet; call ``tfdist.init()`` or enter ``tfdist.scope()``.
+    """
+    import tensorflow as tf
+
+    from tfdist import strategy
+
+    built = strategy.current_strategy()
+    if built is None and tf.distribute.has_strategy():
+        built = tf.distribute.get_strategy()
+    if built is None:
+        raise RuntimeError("tfdist.size() counts replicas, so it needs a strategy: call tfdist.init() "
+                           "or enter tfdist.scope() first.")
+    return built.num_replicas_in_sync
+
+
+def rank() -> int:
+    """This worker's index in the job (0 is the chief)."""
+    return cluster.cluster_from_env().worker_index
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host."""
+    return cluster.cluster_from_env().local_rank
+
+
+def local_size() -> int:
+    """Workers on this host."""
+    return cluster.cluster_from_env().local_size
+
+
+def num_workers() -> int:
+    """Worker processes in the job."""
+    return cluster.cluster_from_env().num_workers
+
+
+def is_chief() -> bool:
+    """Whether this worker is the one that writes checkpoints, logs and results."""
+    return cluster.cluster_from_env().is_chief
