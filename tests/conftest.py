@@ -1,0 +1,25 @@
+"""Test session set-up: 4 logical CPU devices before TensorFlow starts.
+
+Single-process multi-replica tests use these (Keras' own distribute tests do the
+same); multi-worker tests start real worker processes through ``tests.jobs``.
+"""
+
+import pytest
+
+LOGICAL_CPUS = 4
+
+
+def pytest_configure(config):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+
+
+@pytest.fixture
+def fresh_tfdist_strategy(monkeypatch):
+    """Lets a test build tfdist's once-per-process strategy anew; restores the old one after."""
+    from tfdist import strategy
+
+    monkeypatch.setattr(strategy, "_built", None)
+    yield

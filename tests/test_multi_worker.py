@@ -1,0 +1,46 @@
+"""A real 2-worker cluster started through `tfdist run`: Keras 3 fit/evaluate/predict work."""
+
+import numpy as np
+import pytest
+
+from tests.jobs import run_job
+from tests.workers import common
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_job("foundation_job.py", tmp_path_factory.mktemp("foundation")).check()
+
+
+def test_workers_see_the_cluster(job):
+    assert sorted(job.results) == [0, 1]
+    for rank, result in job.results.items():
+        assert result["strategy"] == "CollectiveAllReduceStrategy"  # TF's class behind MultiWorkerMirroredStrategy
+        assert result["size"] == 2 and result["num_workers"] == 2
+        assert result["rank"] == rank
+        assert result["is_chief"] == (rank == 0)
+
+
+def test_fit_evaluate_predict_complete_with_identical_weights(job):
+    first, second = job.results[0], job.results[1]
+    assert first["loss_history"] == second["loss_history"]
+    assert first["loss_history"][-1] < first["loss_history"][0]
+    assert first["evaluate_loss"] == pytest.approx(second["evaluate_loss"])
+    assert first["predict_shape"] == [256, 1]
+    for a, b in zip(first["final_weights"], second["final_weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_two_workers_match_one_device(job):
+    reference = common.train_equivalence()
+    for rank in (0, 1):
+        for got, want in zip(job.results[rank]["equivalence_weights"], reference):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_without_the_fix_keras_multi_worker_fit_fails(tmp_path):
+    """If this starts passing, Keras fixed keras#20585 and tfdist.keras_fixes can go."""
+    result = run_job("unfixed_fit_job.py", tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "PerReplica" in result.output
+    assert not result.results

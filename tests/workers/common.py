@@ -1,0 +1,50 @@
+"""Pieces shared by worker scripts and the tests that check them."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import numpy as np
+
+GLOBAL_BATCH = 16
+EQUIVALENCE_STEPS = 5
+
+
+def write_result(out_dir: str, payload: dict) -> None:
+    """Writes this worker's results to ``out_dir/worker<rank>.json``."""
+    rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
+    pathlib.Path(out_dir, f"worker{rank}.json").write_text(json.dumps(payload))
+
+
+def regression_data(num_examples: int = GLOBAL_BATCH * EQUIVALENCE_STEPS):
+    """A fixed regression problem: 6 features, 1 target."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(num_examples, 6)).astype("float32")
+    y = (x @ rng.normal(size=(6, 1)) + 0.1).astype("float32")
+    return x, y
+
+
+def equivalence_model():
+    """A small MLP with fixed starting weights, so every process starts equal."""
+    import keras
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    rng = np.random.default_rng(1)
+    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05), loss="mse")
+    return model
+
+
+def train_equivalence(strategy=None) -> list[np.ndarray]:
+    """SGD for EQUIVALENCE_STEPS steps at GLOBAL_BATCH, in order; returns the weights."""
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    with strategy.scope():
+        model = equivalence_model()
+    x, y = regression_data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
