@@ -4,7 +4,11 @@ Single-process multi-replica tests use these (Keras' own distribute tests do the
 same); multi-worker tests start real worker processes through ``tests.jobs``.
 """
 
+import os
+
 import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet start-up logs, here and in worker jobs
 
 LOGICAL_CPUS = 4
 

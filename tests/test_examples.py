@@ -1,0 +1,31 @@
+"""The README's examples run as written, through the launcher."""
+
+import subprocess
+import sys
+
+from tests.jobs import REPO, job_env
+
+TIMEOUT = 180
+
+
+def launch(*args):
+    command = [sys.executable, "-m", "tfdist.run", *args]
+    return subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_mirrored_example_trains_on_two_logical_cpus():
+    result = launch("-n", "1", "--cpu-devices", "2", "--timeout", str(TIMEOUT), "--",
+                    sys.executable, "examples/mirrored_fit.py")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "MirroredStrategy with 2 replica(s)" in result.stdout
+    accuracy = float(result.stdout.split("final accuracy: ")[1].split()[0])
+    assert accuracy > 0.9
+
+
+def test_multi_worker_example_saves_on_the_chief_only(tmp_path):
+    result = launch("-n", "2", "--timeout", str(TIMEOUT), "--",
+                    sys.executable, "examples/multi_worker_fit.py", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[0] worker 0 of 2: 2 replicas in sync" in result.stdout
+    assert "saved" in result.stdout and "[1] loss" not in result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["multi_worker_model.keras"]

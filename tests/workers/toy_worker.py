@@ -1,0 +1,30 @@
+"""A worker without TensorFlow, for launcher tests: `toy_worker.py OUT_DIR MODE`."""
+
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+
+out_dir, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["TFDIST_WORKER_INDEX"])
+attempt = int(os.environ["TFDIST_RESTART"])
+(out_dir / f"pid{rank}.{attempt}").write_text(str(os.getpid()))
+names = ("TF_CONFIG", "TFDIST_WORKER_INDEX", "TFDIST_NUM_WORKERS", "TFDIST_LOCAL_RANK",
+         "TFDIST_LOCAL_SIZE", "TFDIST_CPU_DEVICES", "TFDIST_RESTART")
+(out_dir / f"worker{rank}.json").write_text(json.dumps({name: os.environ.get(name) for name in names}))
+print(f"hello from {rank}", flush=True)
+
+if mode == "echo":
+    sys.exit(0)
+if mode == "fail1" and rank == 1:
+    time.sleep(0.5)
+    sys.exit(3)
+if mode == "fail_first_attempt" and rank == 1 and attempt == 0:
+    sys.exit(5)
+if mode == "fail_first_attempt":
+    sys.exit(0)
+if mode == "ignore_term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as TensorFlow's preemption handler can
+time.sleep(120)
