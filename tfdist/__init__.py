@@ -31,7 +31,16 @@ _EXPORTS = {
     "local_size": "tfdist.topology",
     "num_workers": "tfdist.topology",
     "is_chief": "tfdist.topology",
+    "verbose": "tfdist.topology",
+    "print": "tfdist.topology",
+    "scale_lr": "tfdist.topology",
+    "allreduce": "tfdist.collectives",
+    "allgather": "tfdist.collectives",
+    "broadcast": "tfdist.collectives",
+    "DistributedOptimizer": "tfdist.optimizer",
 }
+# submodules reachable as attributes before their first import (tfdist.callbacks.X)
+_SUBMODULES = ("callbacks",)
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
@@ -41,6 +50,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tfdist.{name}")
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
 
