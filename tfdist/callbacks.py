@@ -196,13 +196,15 @@ class Throughput(keras.callbacks.Callback):
         super().__init__()
         self.batch_size = batch_size
         self.verbose = verbose
+        self._first = self._end = None
 
     def _examples_seen(self) -> float:
         tracker = getattr(self.model, "_loss_tracker", None)
-        if tracker is None:
-            raise ValueError("Throughput() counts examples with the model's loss tracker, but the model was "
-                             "compiled without a loss; pass Throughput(batch_size=GLOBAL_BATCH).")
-        return float(tracker.count.numpy())
+        count = 0.0 if tracker is None else float(tracker.count.numpy())
+        if not count:
+            raise ValueError("Throughput() counts examples with Keras' loss tracker, but this model's train_step "
+                             "does not update it; pass Throughput(batch_size=GLOBAL_BATCH).")
+        return count
 
     def _mark(self) -> tuple[float, float, int]:
         examples = self._steps * self.batch_size if self.batch_size else self._examples_seen()
