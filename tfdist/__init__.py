@@ -31,9 +31,19 @@ _EXPORTS = {
     "local_size": "tfdist.topology",
     "num_workers": "tfdist.topology",
     "is_chief": "tfdist.topology",
+    "verbose": "tfdist.topology",
+    "print": "tfdist.topology",
+    "scale_lr": "tfdist.topology",
+    "allreduce": "tfdist.collectives",
+    "allgather": "tfdist.collectives",
+    "broadcast": "tfdist.collectives",
+    "DistributedOptimizer": "tfdist.optimizer",
 }
+# submodules reachable as attributes before their first import (tfdist.callbacks.X)
+_SUBMODULES = ("callbacks", "data", "precision")
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+# `print` stays out of __all__ so `from tfdist import *` keeps the built-in print.
+__all__ = sorted(set(_EXPORTS) - {"print"}) + ["__version__"]
 
 
 def __getattr__(name: str):
@@ -41,8 +51,10 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tfdist.{name}")
     raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
 
 
 def __dir__():
-    return __all__
+    return __all__ + ["print", *_SUBMODULES]

@@ -7,6 +7,8 @@ and so needs the strategy.
 
 from __future__ import annotations
 
+import builtins
+
 from tfdist import cluster
 
 
@@ -52,3 +54,26 @@ def num_workers() -> int:
 def is_chief() -> bool:
     """Whether this worker is the one that writes checkpoints, logs and results."""
     return cluster.cluster_from_env().is_chief
+
+
+def verbose(level: int | str = 1) -> int | str:
+    """The ``verbose`` value for ``fit``/``evaluate``: ``level`` on the chief, 0 (silent) elsewhere."""
+    return level if is_chief() else 0
+
+
+def print(*args, **kwargs) -> None:  # noqa: A001  (Horovod-style tfdist.print)
+    """``print`` on the chief only; other workers stay silent."""
+    if is_chief():
+        builtins.print(*args, **kwargs)
+
+
+def scale_lr(lr: float) -> float:
+    """The linear scaling rule (Goyal et al.): ``lr * size()``, for a global batch ``size()`` times larger.
+
+    Raises:
+        ValueError: ``lr`` is not a positive number.
+        RuntimeError: no strategy yet (see ``size()``).
+    """
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+        raise ValueError(f"scale_lr needs a positive learning rate; received lr={lr!r}.")
+    return lr * size()

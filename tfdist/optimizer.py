@@ -1,0 +1,127 @@
+"""``DistributedOptimizer``: Horovod's name, and gradient accumulation that works under a strategy.
+
+Under tf.distribute, Keras already all-reduces gradients inside ``optimizer.apply``; what
+is missing is accumulation. Keras' own ``gradient_accumulation_steps`` puts the update,
+which calls ``merge_call``, inside a ``tf.cond`` in replica context, and every strategy
+then fails with "merge_call called while defining a new graph" (keras#20582).
+
+The fix keeps Keras' accumulation (its accumulator variables, its ``iterations`` that
+counts real updates) and reorders one method, ``_backend_apply_gradients``:
+
+1. in replica context, all-reduce this micro-batch's gradients (one collective per step,
+   outside any ``cond``) and add them to the accumulator values (local arithmetic);
+2. one ``merge_call``; in cross-replica context, a ``tf.cond`` either stores the new
+   sums in the accumulators or applies their mean (clipping, weight decay, the wrapped
+   optimizer's own ``update_step``) and zeroes them. Both branches only touch variables
+   through ``strategy.extended.update``, which is legal inside a ``cond``.
+
+Accumulators are mirrored like any optimizer slot and receive all-reduced values, so
+replicas stay identical. Accumulating k micro-batches of global size b equals one step
+at k*b, for any Keras optimizer (Adam's step count included).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+_classes: dict[type, type] = {}
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (Horovod's name)
+                         backward_passes_per_step: int = 1) -> keras.optimizers.Optimizer:
+    """Returns a copy of ``optimizer`` that accumulates gradients and works under any strategy.
+
+    The copy is an instance of a subclass of ``type(optimizer)``, made from its config, so
+    it composes with ``LossScaleOptimizer`` and saves as the original class (with
+    ``gradient_accumulation_steps`` set). ``opt.backward_passes_per_step`` holds k and
+    ``opt.tfdist_distributed`` is True. Call it inside the strategy scope, where Keras
+    optimizers must be created. With accumulation, clipping applies to the all-reduced mean
+    gradient (Keras' own path, k=1, clips each replica's share before the all-reduce).
+
+    Args:
+        optimizer: an unbuilt Keras optimizer (not yet used to train).
+        backward_passes_per_step: k, the micro-batches whose mean gradient makes one
+            update; 1 disables accumulation. An optimizer created with
+            ``gradient_accumulation_steps=k`` is accepted and means the same.
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer.
+        ValueError: k is not a positive int, disagrees with the optimizer's own
+            ``gradient_accumulation_steps``, the optimizer was already built, or it uses
+            ``use_ema`` together with accumulation.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; received "
+                        f"{type(optimizer).__name__}.")
+    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1; received "
+                         f"backward_passes_per_step={backward_passes_per_step!r}.")
+    own = optimizer.gradient_accumulation_steps
+    if own and backward_passes_per_step not in (1, own):
+        raise ValueError(f"The optimizer already has gradient_accumulation_steps={own}, but "
+                         f"backward_passes_per_step={backward_passes_per_step}; pass one of them.")
+    steps = own or backward_passes_per_step
+    if optimizer.built:
+        raise ValueError(f"DistributedOptimizer needs an unbuilt optimizer, but {optimizer.name} already "
+                         "holds variables; wrap it before compile() or the first training step.")
+    if steps > 1 and optimizer.use_ema:
+        raise ValueError("DistributedOptimizer does not combine use_ema=True with gradient accumulation "
+                         f"(backward_passes_per_step={steps}); drop one of them.")
+    config = optimizer.get_config()
+    config["gradient_accumulation_steps"] = steps if steps > 1 else None
+    return _distributed_class(type(optimizer)).from_config(config)
+
+
+class _DistributedMixin:
+    """Overrides the one Keras method whose ``cond`` breaks under tf.distribute."""
+
+    tfdist_distributed = True
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self.gradient_accumulation_steps or 1
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        if not self.gradient_accumulation_steps:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        steps = self.gradient_accumulation_steps
+        accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+        variables = [v.value for v in trainable_variables]
+        reduced = [g for g, _ in self._all_reduce_sum_gradients(zip(grads, variables))]
+        sums = [acc.value + tf.cast(g, acc.dtype) for acc, g in zip(accumulators, reduced)]
+        means = self._clip_gradients([s / steps for s in sums])
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._accumulate_or_update, self._distribution_strategy,
+            sums, means, variables, [a.value for a in accumulators], self.learning_rate)
+
+    def _accumulate_or_update(self, distribution, sums, means, variables, accumulators, learning_rate):
+        """Cross-replica: store the sums, or apply their means and zero the accumulators."""
+        extended = distribution.extended
+        is_update_step = tf.equal((self._iterations + 1) % self.gradient_accumulation_steps, 0)
+
+        def update():
+            for mean, var, acc in zip(means, variables, accumulators):
+                extended.update(var, self._decay_and_step, args=(mean, learning_rate), group=False)
+                extended.update(acc, lambda a: a.assign(tf.zeros_like(a)), group=False)
+
+        def accumulate():
+            for total, acc in zip(sums, accumulators):
+                extended.update(acc, lambda a, t: a.assign(t), args=(total,), group=False)
+
+        tf.cond(is_update_step, update, accumulate)
+
+    def _decay_and_step(self, variable, gradient, learning_rate):
+        """One variable's update on one device: Keras' weight decay, then the optimizer's step."""
+        if self.weight_decay is not None and self._use_weight_decay(variable):
+            decay = tf.cast(self.weight_decay, variable.dtype) * tf.cast(learning_rate, variable.dtype)
+            variable.assign_sub(variable * decay)
+        self.update_step(gradient, variable, learning_rate)
+
+
+def _distributed_class(base: type) -> type:
+    """``Distributed<Base>``: named and placed like ``base`` so saved models load as ``base``."""
+    if base not in _classes:
+        _classes[base] = type(base.__name__, (_DistributedMixin, base),
+                              {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    return _classes[base]
