@@ -27,11 +27,14 @@ COMMUNICATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
 # Options scope() accepts besides strategy and devices, with their defaults.
 DEFAULT_OPTIONS = {
     "cross_device_ops": None,     # mirrored: one of CROSS_DEVICE_OPS; None lets TF choose
     "communication": "auto",      # multi_worker: one of COMMUNICATIONS
-    "collective_timeout": None,   # multi_worker: seconds before a stuck collective fails
+    # multi_worker: seconds before a collective that a stuck or dead peer never joins fails,
+    # instead of hanging (tensorflow#35878); None waits forever.
+    "collective_timeout": DEFAULT_COLLECTIVE_TIMEOUT,
 }
 
 DeviceSpec = Union[None, int, str, Sequence[str]]
