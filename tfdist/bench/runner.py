@@ -1,0 +1,117 @@
+"""One timed benchmark run, in its own worker process (a strategy is built once per process).
+
+    python -m tfdist.bench.runner CONFIG_JSON REPLICAS GLOBAL_BATCH OUT_JSON [PATTERN]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+import tfdist
+from tfdist import precision
+from tfdist.bench import models, sources
+from tfdist.bench.config import BenchConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What one run measured; the first epoch (tracing) is kept apart as warm-up."""
+
+    replicas: int
+    global_batch: int
+    strategy: str
+    devices: tuple[str, ...]
+    epoch_seconds: tuple[float, ...]
+    images_per_epoch: int
+    input_records_per_sec: float | None = None
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.epoch_seconds[0]
+
+    @property
+    def seconds_per_epoch(self) -> float:
+        return statistics.mean(self.epoch_seconds[1:])
+
+    @property
+    def images_per_sec(self) -> float:
+        return self.images_per_epoch / self.seconds_per_epoch
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Times each epoch; prints a progress line on the chief."""
+
+    def __init__(self, replicas: int, global_batch: int, steps: int):
+        super().__init__()
+        self.label = f"replicas {replicas}, global batch {global_batch}"
+        self.images_per_epoch = global_batch * steps
+        self.seconds: list[float] = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self.start)
+        note = " (warm-up: tracing)" if epoch == 0 else ""
+        tfdist.print(f"{self.label}: epoch {epoch + 1} {self.seconds[-1]:.2f} s, "
+                     f"{self.images_per_epoch / self.seconds[-1]:.0f} images/s{note}", flush=True)
+
+
+def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int, pattern: str | None) -> RunResult:
+    """Trains ``config.model`` for ``config.epochs`` epochs; in input mode, also times the input alone."""
+    precision.set_policy(config.precision)
+    classes = sources.num_classes(config.dataset)
+    input_rate = None
+    if config.mode == "input":
+        input_rate = input_records_per_sec(config, pattern, global_batch)
+        pattern = None  # the training rate to compare it with is the compute-only one
+    with strategy.scope():
+        model = models.build_model(config.model, config.image_size, classes)
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+    dataset = sources.train_dataset(config, strategy, pattern, global_batch, classes)
+    timer = EpochTimer(strategy.num_replicas_in_sync, global_batch, config.steps_per_epoch)
+    model.fit(dataset, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch, verbose=0, callbacks=[timer])
+    return RunResult(strategy.num_replicas_in_sync, global_batch, type(strategy).__name__,
+                     tuple(strategy.extended.worker_devices), tuple(timer.seconds),
+                     global_batch * config.steps_per_epoch, input_rate)
+
+
+def input_records_per_sec(config: BenchConfig, pattern: str | None, global_batch: int) -> float:
+    """Records/s of the input pipeline alone, timed with ``Dataset.reduce`` (no Python loop)."""
+    if pattern is None:
+        raise ValueError("--mode input times a real input pipeline; use --source mock, tfds or tfrecord.")
+    dataset = sources.records_dataset(config, pattern, global_batch)
+    count = lambda n, batch: n + tf.shape(batch[1], out_type=tf.int64)[0]  # noqa: E731
+    dataset.take(config.steps_per_epoch).reduce(tf.constant(0, tf.int64), count)  # warm-up
+    start = time.perf_counter()
+    batches = config.steps_per_epoch * (config.epochs - 1)
+    records = int(dataset.take(batches).reduce(tf.constant(0, tf.int64), count))
+    return records / (time.perf_counter() - start)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one configuration in this worker process and writes its RunResult as JSON."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path, replicas, global_batch, out_path = argv[0], int(argv[1]), int(argv[2]), argv[3]
+    pattern = argv[4] if len(argv) > 4 and argv[4] else None
+    with open(config_path) as f:
+        config = BenchConfig.from_json(f.read())
+    # On GPUs take the first N; on a CPU the launcher already made N logical devices.
+    devices = replicas if tf.config.list_physical_devices("GPU") else None
+    result = run(config, tfdist.get_strategy(config.strategy, devices=devices), global_batch, pattern)
+    with open(out_path, "w") as f:
+        json.dump(dataclasses.asdict(result), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
