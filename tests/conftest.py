@@ -27,3 +27,12 @@ def fresh_tfdist_strategy(monkeypatch):
 
     monkeypatch.setattr(strategy, "_built", None)
     yield
+
+
+@pytest.fixture
+def restore_dtype_policy():
+    """Keras' dtype policy is process-wide: put back float32 after a test that changes it."""
+    import keras
+
+    yield
+    keras.config.set_dtype_policy("float32")

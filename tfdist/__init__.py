@@ -25,6 +25,7 @@ _EXPORTS = {
     "get_strategy": "tfdist.strategy",
     "init": "tfdist.strategy",
     "StrategyError": "tfdist.strategy",
+    "PrecisionError": "tfdist.precision",
     "size": "tfdist.topology",
     "rank": "tfdist.topology",
     "local_rank": "tfdist.topology",

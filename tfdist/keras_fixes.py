@@ -1,8 +1,8 @@
 """Small, named patches for Keras 3 bugs under tf.distribute.
 
 Each patch changes behaviour only under the strategy it is for, is applied once by
-the code that needs it (``tfdist.strategy`` for multi-worker), and names the
-upstream issue. Remove a patch when the Keras version tfdist needs has the fix.
+the code that needs it (``tfdist.strategy`` for multi-worker; ``tfdist.strategy`` and
+``tfdist.precision`` for loss scaling), and names the upstream issue. Remove a patch when the Keras version tfdist needs has the fix.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
 _applied: set[str] = set()
 
@@ -73,3 +74,36 @@ def apply_multi_worker_fit_fixes() -> None:
     keras_tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _symbolic_build_from_local_batch
     keras_tf_trainer.reduce_per_replica = _reduce_per_replica_scalar_safe
     _applied.add("multi_worker_fit")
+
+
+def _finite_on_every_replica(self, grads):
+    """Keras 3.15 LossScaleOptimizer: decide "all gradients finite" over every replica.
+
+    ``LossScaleOptimizer._tf_apply`` takes the finite flag of replica 0 only (its
+    comment assumes the gradients were all-reduced already; Keras 3 all-reduces them
+    later, inside the inner optimizer). An overflow on another replica or worker is
+    then summed into every replica's update: the weights become non-finite while the
+    loss scale is not lowered (tfdist UPSTREAM.md; same code in keras-team/keras
+    master, ``keras/src/optimizers/loss_scale_optimizer.py``). All-reducing the
+    "not finite" count makes every replica skip the step and halve the scale together.
+    """
+    finite = _original_check_finite(self, grads)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return finite
+    not_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+    return tf.equal(not_finite, 0.0)
+
+
+_original_check_finite = LossScaleOptimizer.check_finite
+
+
+def apply_loss_scale_fix() -> None:
+    """Makes LossScaleOptimizer skip a step when any replica's gradients overflow.
+
+    Idempotent; with one replica (no strategy, one device) behaviour is unchanged.
+    """
+    if "loss_scale" in _applied:
+        return
+    LossScaleOptimizer.check_finite = _finite_on_every_replica
+    _applied.add("loss_scale")

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
 from tfdist import keras_fixes
+from tfdist import precision as precision_lib
 
 STRATEGY_NAMES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 CROSS_DEVICE_OPS = {
@@ -48,7 +49,8 @@ class StrategyError(ValueError):
 
 
 @contextlib.contextmanager
-def scope(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> Iterator[tf.distribute.Strategy]:
+def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
+          **options: Any) -> Iterator[tf.distribute.Strategy]:
     """Builds (once per process) and enters a distribution strategy; yields it.
 
     Args:
@@ -57,6 +59,10 @@ def scope(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) ->
             worker, mirrored when more than one device is selected, else default.
         devices: None (all GPUs, else all CPU devices), an int N (the first N), a list
             of names ("GPU:0", "/gpu:1"), or a pattern ("GPU:*", "GPU:[0-3]", "CPU:*").
+        precision: None (leave Keras' dtype policy alone), "float32", "mixed_float16",
+            "mixed_bfloat16" or "auto" (see tfdist.precision). Set for the block and
+            restored after it; not part of the once-per-process strategy, so each
+            scope may choose its own.
         **options: ``cross_device_ops`` (mirrored), ``communication`` and
             ``collective_timeout`` (multi_worker).
 
@@ -67,9 +73,12 @@ def scope(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) ->
         StrategyError: unknown name or option, devices that match nothing, a different
             strategy requested after one was built, or multi_worker asked for after
             TensorFlow initialised its runtime.
+        tfdist.precision.PrecisionError: unknown precision.
     """
+    if precision is not None:
+        precision_lib.check_name(precision)  # a bad name fails before anything is built
     built = get_strategy(strategy, devices, **options)
-    with built.scope():
+    with precision_lib.policy_scope(precision), built.scope():
         yield built
 
 
@@ -94,13 +103,19 @@ def current_strategy() -> tf.distribute.Strategy | None:
     return None if _built is None else _built[1]
 
 
-def init(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> tf.distribute.Strategy:
+def init(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
+         **options: Any) -> tf.distribute.Strategy:
     """Horovod-style start: builds the strategy and makes it the process-wide default.
 
     After ``init()``, code that never enters a scope (``keras.Sequential(...)``,
-    ``model.compile``, ``model.fit``) runs distributed. Returns the strategy.
+    ``model.compile``, ``model.fit``) runs distributed. ``precision`` (see ``scope``)
+    sets Keras' dtype policy for the rest of the process. Returns the strategy.
     """
+    if precision is not None:
+        precision_lib.check_name(precision)
     built = get_strategy(strategy, devices, **options)
+    if precision is not None:
+        precision_lib.set_policy(precision)
     if tf.distribute.get_strategy() is not built:
         tf.distribute.experimental_set_strategy(built)
     return built
@@ -113,6 +128,7 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
     Most code wants ``scope()`` or ``get_strategy()``, which build once per process.
     """
     opts = _check_options(options)
+    keras_fixes.apply_loss_scale_fix()
     if strategy not in STRATEGY_NAMES:
         raise StrategyError(f"Unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}.")
     cluster = cluster_lib.cluster_from_env() if cluster is None else cluster
