@@ -174,7 +174,7 @@ def current_loss_scale(optimizer: keras.optimizers.Optimizer) -> float | None:
         return None
     if not found.built:
         return float(found.initial_scale)
-    return float(keras.ops.convert_to_numpy(found.dynamic_scale))
+    return float(found.dynamic_scale.numpy())
 
 
 def check_model(model: keras.Model) -> list[str]:
