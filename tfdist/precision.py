@@ -257,7 +257,7 @@ def make_train_step(model: keras.Model, loss_fn: Callable, optimizer: keras.opti
     float16 and bfloat16.
 
     Args:
-        model: the model, built under ``strategy``.
+        model: the model, built (its variables exist) under ``strategy``.
         loss_fn: ``loss_fn(y_true, y_pred) -> scalar`` mean loss, e.g. a keras.losses object.
         optimizer: from ``wrap_optimizer`` (required when the model computes in float16).
         strategy: defaults to the current one.
@@ -274,6 +274,9 @@ def make_train_step(model: keras.Model, loss_fn: Callable, optimizer: keras.opti
                              "no loss scaling: pass tfdist.precision.wrap_optimizer(optimizer).")
     strategy = strategy or tf.distribute.get_strategy()
     keras_fixes.apply_loss_scale_fix()
+    if not optimizer.built:  # variables must exist before tracing (tf.function cannot create them)
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
