@@ -7,7 +7,7 @@ The recipe (Micikevicius et al. 2018): float32 master weights, half-precision co
 the loss multiplied by a dynamic scale, the gradients divided by it, steps whose
 gradients overflow on ANY replica skipped (the scale halves), and the scale doubled
 after ``dynamic_growth_steps`` finite steps. ``tfdist.precision.make_train_step`` does
-it in one ``strategy.run`` step; the body of that step is spelled out in ``manual_step``.
+it in one ``strategy.run`` step; ``--manual`` runs the same step spelled out (``manual_step``).
 """
 
 import argparse
@@ -20,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--precision", default="mixed_float16",
                     choices=["float32", "mixed_float16", "mixed_bfloat16", "auto"])
 parser.add_argument("--steps", type=int, default=60)
+parser.add_argument("--manual", action="store_true", help="run manual_step instead of make_train_step")
 args = parser.parse_args()
 
 with tfdist.scope(precision=args.precision) as strategy:  # the strategy first, then any TF op
@@ -38,6 +39,7 @@ with tfdist.scope(precision=args.precision) as strategy:  # the strategy first, 
     # float16: a LossScaleOptimizer. bfloat16 has float32's range and needs no scaling;
     # loss_scale=True still buys skip-on-overflow there.
     optimizer = precision.wrap_optimizer(keras.optimizers.Adam(1e-3), loss_scale=True)
+    optimizer.build(model.trainable_variables)  # before tracing: tf.function cannot create variables
 precision.check_model(model)
 loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
@@ -60,7 +62,12 @@ def dataset_fn(context):
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
 
 
-step = precision.make_train_step(model, loss_fn, optimizer, strategy)
+@tf.function
+def distributed_manual_step(batch):
+    return strategy.reduce("MEAN", strategy.run(manual_step, args=batch), axis=None)
+
+
+step = distributed_manual_step if args.manual else precision.make_train_step(model, loss_fn, optimizer, strategy)
 batches = iter(strategy.distribute_datasets_from_function(dataset_fn))
 for i in range(args.steps):
     loss = float(step(next(batches)))
