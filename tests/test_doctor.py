@@ -13,7 +13,8 @@ def test_doctor_runs_with_no_gpu_and_no_cluster():
     result = subprocess.run([sys.executable, "-m", "tfdist.cli", "doctor"], env=job_env({"TF_CONFIG": ""}),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    for expected in ("tensorflow   2.", "no GPU found", "nccl", "single worker", "No problems found."):
+    for expected in ("tensorflow   2.", "no GPU found", "nccl", "single worker", "No problems found.",
+                     '"auto" picks float32: no GPU with tensor cores'):
         assert expected in result.stdout
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfdist
 from tfdist import keras_fixes, precision, strategy as strategy_lib
 
 pytestmark = pytest.mark.usefixtures("restore_dtype_policy")
@@ -111,3 +112,23 @@ def test_without_the_fix_an_overflow_on_replica_1_reaches_the_weights(mirrored, 
     model, _ = _fit_one_batch_that_overflows_on_replica_1(mirrored)
     assert not all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert precision.current_loss_scale(model.optimizer) == 2.0**15
+
+
+@pytest.mark.filterwarnings("ignore::tfdist.precision.PrecisionWarning")
+def test_wrap_optimizer_composes_with_distributed_optimizer(mirrored):
+    """LossScaleOptimizer(DistributedOptimizer(SGD, k=2)): overflows skipped, then one accumulated step."""
+    precision.set_policy("mixed_float16")
+    with mirrored.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+        optimizer = precision.wrap_optimizer(inner)
+        model.compile(optimizer=optimizer, loss="mse")
+    assert model.optimizer is optimizer and optimizer.inner_optimizer is inner
+    y = np.ones((8, 1), "float32")
+    model.fit(np.array([[1, 1], [1, 1], [1, 1], [1e5, 1]] * 2, "float32"), y, batch_size=4, shuffle=False, verbose=0)
+    assert precision.current_loss_scale(optimizer) == 2.0**13  # two skipped steps
+    assert all(np.all(w == 0) for w in model.get_weights())
+    model.fit(np.ones((8, 2), "float32"), y, batch_size=4, shuffle=False, verbose=0)
+    assert int(optimizer.iterations.numpy()) == 1  # 2 micro-batches, 1 update
+    for weight in model.get_weights():  # mse gradient -2 at zero weights
+        np.testing.assert_allclose(weight, 0.2, rtol=1e-6)

@@ -71,6 +71,8 @@ def check_tensorflow(report: Report) -> None:
     import keras
     import tensorflow as tf
 
+    from tfdist import precision
+
     report.info("tensorflow", f"{tf.__version__} (keras {keras.__version__}, python {sys.version.split()[0]})")
     build = tf.sysconfig.get_build_info()
     gpus = tf.config.list_physical_devices("GPU")
@@ -78,10 +80,14 @@ def check_tensorflow(report: Report) -> None:
         cuda = "a CUDA build" if build.get("is_cuda_build") else "a CPU-only build"
         report.info("devices", f"no GPU found ({cuda}); training runs on the CPU: "
                     "split it with --cpu-devices K to test several replicas")
+    capabilities = []
     for index, gpu in enumerate(gpus):
         details = tf.config.experimental.get_device_details(gpu)
+        capabilities.append(details.get("compute_capability", (0, 0)))
         capability = ".".join(map(str, details.get("compute_capability", ("?",))))
         report.info(f"GPU:{index}", f"{details.get('device_name', 'unknown')}, compute capability {capability}")
+    auto = precision.auto_policy(capabilities)
+    report.info("precision", f'"auto" picks {auto}: {precision.AUTO_REASONS[auto]}')
     if gpus and build.get("is_cuda_build"):
         report.info("nccl", f"available (CUDA {build.get('cuda_version')}): all-reduce across GPUs uses NCCL")
     else:

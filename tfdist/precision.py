@@ -27,6 +27,12 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from tfdist import keras_fixes
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
+# Why "auto" picks each policy (printed by `tfdist doctor`).
+AUTO_REASONS = {
+    "mixed_bfloat16": "every GPU has compute capability >= 8.0 (bfloat16 tensor cores)",
+    "mixed_float16": "the oldest GPU has compute capability 7.x (float16 tensor cores, no bfloat16 ones)",
+    "float32": "no GPU with tensor cores (a CPU runs half precision slower than float32)",
+}
 HALF_DTYPES = ("float16", "bfloat16")
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
