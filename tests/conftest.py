@@ -36,3 +36,19 @@ def restore_dtype_policy():
 
     yield
     keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True)
+def distinct_collective_keys():
+    """Gives every MirroredStrategy built in a test its own collective keys.
+
+    Two MirroredStrategy objects on the same devices in one process start from the same
+    group and instance keys, and TensorFlow remembers each instance's shape: a later
+    strategy's all-reduce then fails with "Shape mismatch in the collective instance 101".
+    TensorFlow's own tests bump this base per strategy (tensorflow/python/distribute/
+    strategy_combinations.py); tfdist users build one strategy per process.
+    """
+    import tensorflow as tf
+
+    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    yield
