@@ -170,3 +170,18 @@ def test_init_sets_the_policy_for_the_process(fresh_tfdist_strategy):
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
     finally:
         tf.distribute.experimental_set_strategy(None)
+
+
+def test_check_model_falls_back_to_the_last_layer_of_a_subclassed_model():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__(name="net")
+            self.hidden = keras.layers.Dense(4)
+            self.head = keras.layers.Dense(2, name="head")
+
+        def call(self, x):
+            return self.head(self.hidden(x))
+
+    precision.set_policy("mixed_float16")
+    with pytest.warns(precision.PrecisionWarning, match="Model 'net': output layer 'head' computes in float16"):
+        assert precision.check_model(Net()) == ["head"]
