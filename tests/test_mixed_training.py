@@ -1,10 +1,14 @@
 """Training in float32, mixed_float16 and mixed_bfloat16: same accuracy, no NaN, custom loops."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.jobs import REPO, job_env
 from tfdist import precision, strategy as strategy_lib
 
 pytestmark = pytest.mark.usefixtures("restore_dtype_policy")
@@ -99,3 +103,13 @@ def test_custom_loop_needs_loss_scaling_for_float16():
                        match=r"computes in float16, but SGD does no loss scaling: pass "
                              r"tfdist.precision.wrap_optimizer\(optimizer\)"):
         precision.make_train_step(model, keras.losses.MeanSquaredError(), keras.optimizers.SGD())
+
+
+def test_custom_loop_example_runs_its_manual_step():
+    result = subprocess.run([sys.executable, "examples/custom_loop.py", "--precision", "mixed_float16",
+                             "--steps", "41", "--manual"], cwd=REPO, env=job_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in result.stdout.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0]
+    assert "mixed_float16: compute float16, variables float32" in result.stdout
