@@ -11,6 +11,7 @@ the failed worker's code, or restarts the whole job on fresh ports when
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -203,22 +204,37 @@ def _run_once(command, addresses, cpu_devices, restart, deadline, grace_period, 
     lock = threading.Lock()
     workers: list[_Worker] = []
     try:
-        for index in range(len(addresses)):
-            process = subprocess.Popen(
-                command, env=worker_env(addresses, index, cpu_devices, restart),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            worker = _Worker(index, process, threading.Thread(daemon=True))
-            worker.reader = threading.Thread(target=_pump, args=(worker, out, lock), daemon=True)
-            worker.reader.start()
-            workers.append(worker)
+        with _signals_held():  # a Ctrl-C mid-spawn must not lose a started worker's handle
+            for index in range(len(addresses)):
+                process = subprocess.Popen(
+                    command, env=worker_env(addresses, index, cpu_devices, restart),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                worker = _Worker(index, process, threading.Thread(daemon=True))
+                worker.reader = threading.Thread(target=_pump, args=(worker, out, lock), daemon=True)
+                worker.reader.start()
+                workers.append(worker)
         failure = _wait(workers, deadline)
         return failure, any(w.saw_port_clash for w in workers)
     except KeyboardInterrupt:
         raise _Stop("interrupted", EXIT_INTERRUPTED) from None
     finally:
         _stop_all(workers, grace_period)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Defers SIGINT/SIGTERM (in the main thread) until the block ends; they are then handled."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def _wait(workers: list[_Worker], deadline: float | None) -> _Failure | None:

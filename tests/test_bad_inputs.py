@@ -1,0 +1,108 @@
+"""A catalogue of bad inputs across the API and the CLI.
+
+Each case asserts the exception type (or exit code), a message fragment that names the
+bad value and the fix, and that the answer came back in under 10 seconds.
+"""
+
+import time
+
+import keras
+import pytest
+
+import tfdist
+from tfdist import callbacks, cluster, collectives, strategy
+from tfdist.bench import cli as bench_cli
+from tfdist.run import main as run_main
+
+FAST_SECONDS = 10
+ONE_WORKER = cluster.ClusterInfo()
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+# (name, call, exception type, message fragment)
+API_CASES = [
+    ("tf_config not json", lambda: cluster.cluster_from_env({"TF_CONFIG": "[1,"}), cluster.ClusterConfigError,
+     "TF_CONFIG is not valid JSON"),
+    ("tf_config ps task", lambda: cluster.cluster_from_env(
+        {"TF_CONFIG": '{"cluster": {"ps": ["a:1"]}, "task": {"type": "ps", "index": 0}}'}),
+     cluster.ClusterConfigError, "task type(s) ['ps'] that tfdist does not support"),
+    ("tf_config index", lambda: cluster.cluster_from_env(
+        {"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 5}}'}),
+     cluster.ClusterConfigError, "task index 5 is out of range"),
+    ("slurm procid", lambda: cluster.cluster_from_env({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"}),
+     cluster.ClusterConfigError, "SLURM_PROCID must be an integer: received 'x'"),
+    ("strategy name", lambda: strategy.make_strategy("mirored", cluster=ONE_WORKER), strategy.StrategyError,
+     "Unknown strategy 'mirored'; choose one of"),
+    ("device pattern", lambda: strategy.resolve_devices("TPU:*"), strategy.StrategyError,
+     "Cannot read devices='TPU:*'"),
+    ("device missing", lambda: strategy.resolve_devices(["GPU:7"]), strategy.StrategyError,
+     "Device 'GPU:7' in devices=['GPU:7'] is not visible; visible devices:"),
+    ("too many devices", lambda: strategy.resolve_devices(9), strategy.StrategyError,
+     "devices=9 asks for 9 device(s), but 4 are visible"),
+    ("scope option", lambda: strategy.make_strategy("mirrored", cluster=ONE_WORKER, timeout=3),
+     strategy.StrategyError, "Unknown option(s) ['timeout']"),
+    ("multi_worker alone", lambda: strategy.make_strategy("multi_worker", cluster=ONE_WORKER),
+     strategy.StrategyError, "must be built before TensorFlow initialises its runtime"),
+    ("scale_lr", lambda: tfdist.scale_lr(-0.1), ValueError, "scale_lr needs a positive learning rate; received lr=-0.1"),
+    ("allreduce op", lambda: collectives.allreduce(1.0, op="max"), ValueError, "allreduce op must be one of"),
+    ("collective value", lambda: collectives.allreduce("three"), TypeError,
+     "tfdist collectives take a number, NumPy array or tensor"),
+    ("broadcast root", lambda: collectives.broadcast(1.0, root_rank=3), ValueError,
+     "root_rank=3 is not a worker of this job"),
+    ("optimizer type", lambda: tfdist.DistributedOptimizer("adam"), TypeError,
+     "DistributedOptimizer wraps a keras.optimizers.Optimizer"),
+    ("accumulation steps", lambda: tfdist.DistributedOptimizer(sgd(), backward_passes_per_step=0), ValueError,
+     "backward_passes_per_step must be an int >= 1; received"),
+    ("warmup epochs", lambda: callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=0), ValueError,
+     "warmup_epochs must be an int >= 1; received warmup_epochs=0"),
+    ("schedule lr", lambda: callbacks.LearningRateScheduleCallback(-1, multiplier=0.1), ValueError,
+     "initial_lr must be a positive number; received initial_lr=-1"),
+    ("schedule epochs", lambda: callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, end_epoch=2),
+     ValueError, "end_epoch must be after start_epoch; received start_epoch=3"),
+    ("checkpoint on object store", lambda: callbacks.ModelCheckpoint("gs://bucket/model.keras"), ValueError,
+     "tfdist checkpoints write atomically with os.replace"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, fragment", API_CASES, ids=[c[0] for c in API_CASES])
+def test_api_rejects_bad_input(name, call, error, fragment, fresh_tfdist_strategy):
+    started = time.monotonic()
+    with pytest.raises(error) as caught:
+        call()
+    assert fragment in str(caught.value)
+    assert time.monotonic() - started < FAST_SECONDS
+
+
+# (name, main, argv, exit code, fragment on stderr)
+CLI_CASES = [
+    ("run -n 0", run_main, ["-n", "0", "--", "python"], 2, "-n must be at least 1: received -n 0"),
+    ("run no command", run_main, ["-n", "2"], 2, "no command to run: put it after --"),
+    ("run missing program", run_main, ["-n", "1", "--", "nope-xyz"], 2, "command 'nope-xyz' was not found"),
+    ("run bad port", run_main, ["-n", "2", "--port", "70000", "--", "python"], 2, "--port must leave room"),
+    ("bench model", bench_cli.main, ["--model", "vgg"], 2, "Unknown --model 'vgg'; choose one of"),
+    ("bench source", bench_cli.main, ["--source", "web"], 2, "Unknown --source 'web'; choose one of"),
+    ("bench batch", bench_cli.main, ["--replicas", "1,3", "--batch-size", "64"], 2,
+     "Global batch 64 does not divide over 3 replicas"),
+    ("bench epochs", bench_cli.main, ["--epochs", "1"], 2, "--epochs 1 leaves nothing to time"),
+    ("bench replicas list", bench_cli.main, ["--replicas", "one"], 2, "expected integers separated by commas"),
+    ("bench tfrecord pattern", bench_cli.main, ["--source", "tfrecord"], 2, "--source tfrecord needs --tfrecords"),
+    ("bench too many replicas", bench_cli.main, ["--replicas", "64", "--batch-size", "64"], 2,
+     "--replicas 64 is more than the"),
+    ("bench unknown dataset", bench_cli.main, ["--dataset", "imagenet_typo"], 2,
+     "Unknown --dataset 'imagenet_typo': not a tensorflow-datasets name"),
+]
+
+
+@pytest.mark.parametrize("name, main, argv, code, fragment", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_cli_rejects_bad_input(name, main, argv, code, fragment, capsys):
+    started = time.monotonic()
+    try:
+        returned = main(argv)
+    except SystemExit as exit_:  # argparse errors
+        returned = exit_.code
+    assert returned == code
+    assert fragment in capsys.readouterr().err
+    assert time.monotonic() - started < FAST_SECONDS
