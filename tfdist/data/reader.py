@@ -65,7 +65,8 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             which gives every batch a static size.
         image_size: (height, width) to resize images to; needed when image sizes differ.
         augment: flip images left-right at random.
-        deterministic: keep record order under parallelism; None means ``seed is not None``.
+        deterministic: keep record order under parallelism; None keeps it when a seed is
+            given or shuffling is off, and otherwise lets the fastest record go first.
         skip_corrupt: skip damaged data (keeping a damaged file's records before the
             damage) with a warning that counts it, instead of raising.
 
@@ -84,7 +85,7 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     pipelines = input_context.num_input_pipelines if input_context else 1
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     record_level = _record_level_sharding(len(paths), pipelines)
-    ordered = seed is not None if deterministic is None else deterministic
+    ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
 
     files = tf.data.Dataset.from_tensor_slices((paths, tf.constant(counts, tf.int64)))
     if shuffle:
@@ -223,10 +224,11 @@ def _decode_images(encoded: tf.Tensor, key: str, info: records.ImageInfo, image_
         image = tf.io.decode_image(data, channels=info.channels, expand_animations=False)
         if image_size:
             return tf.saturate_cast(tf.round(tf.image.resize(image, image_size)), tf.uint8)
-        tf.debugging.assert_equal(
+        same_size = tf.debugging.assert_equal(
             tf.shape(image)[:2], [height, width],
             message=f"Images of feature {key!r} differ in size (the first record's is {height}x{width}): "
                     "pass image_size=(height, width) to tfrecord_dataset to resize them.")
-        return tf.ensure_shape(image, [height, width, info.channels])
+        with tf.control_dependencies([same_size]):
+            return tf.ensure_shape(image, [height, width, info.channels])
 
     return tf.map_fn(decode_one, encoded, fn_output_signature=tf.TensorSpec([height, width, info.channels], tf.uint8))
