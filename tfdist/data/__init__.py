@@ -14,7 +14,7 @@
 ``tfdist convert --dataset NAME --split train --out DIR`` writes a tfds dataset the same way.
 """
 
-from tfdist.data.reader import ShardingWarning, distribute, per_pipeline_batch_size, tfrecord_dataset
+from tfdist.data.reader import ShardingWarning, batch_parser, distribute, per_pipeline_batch_size, tfrecord_dataset
 from tfdist.data.records import INDEX_KEY, DataError, FileCheck, check_file
 from tfdist.data.writer import WriteResult, write_tfrecords
 
@@ -24,6 +24,7 @@ __all__ = [
     "INDEX_KEY",
     "ShardingWarning",
     "WriteResult",
+    "batch_parser",
     "check_file",
     "distribute",
     "per_pipeline_batch_size",

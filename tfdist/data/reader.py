@@ -81,7 +81,6 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     batch = per_pipeline_batch_size(batch_size, input_context)
     _check_arguments(shuffle_buffer, image_size, repeat)
     paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
-    specs, images = records.select_features(features, records.first_record(paths[0]), paths[0])
     pipelines = input_context.num_input_pipelines if input_context else 1
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     record_level = _record_level_sharding(len(paths), pipelines)
@@ -106,7 +105,8 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     if repeat:
         dataset = dataset.repeat(None if repeat is True else repeat)
     dataset = dataset.batch(batch, drop_remainder=bool(repeat) if drop_remainder is None else drop_remainder)
-    decode = _batch_decoder(specs, images, image_size, augment, seed, parse_fn)
+    decode = batch_parser(paths[0], features=features, image_size=image_size, augment=augment, seed=seed,
+                          parse_fn=parse_fn)
     dataset = dataset.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
@@ -205,8 +205,24 @@ def _record_level_sharding(num_files: int, pipelines: int) -> bool:
     return True
 
 
-def _batch_decoder(specs, images, image_size, augment: bool, seed: int | None, parse_fn: Callable | None):
-    """The map function from a batch of serialized records to parsed, decoded tensors."""
+def batch_parser(path: str, *, features: Mapping[str, object] | Sequence[str] | None = None,
+                 image_size: tuple[int, int] | None = None, augment: bool = False, seed: int | None = None,
+                 parse_fn: Callable | None = None) -> Callable[[tf.Tensor], object]:
+    """The function ``tfrecord_dataset`` maps over batches of serialized records, for custom pipelines.
+
+    Args:
+        path: a TFRecord file whose first record shows the features (and image sizes).
+        features, image_size, augment, seed, parse_fn: as for ``tfrecord_dataset``.
+
+    Returns:
+        A function from a 1-D string tensor of serialized records to the parsed, decoded
+        batch (or what ``parse_fn`` makes of it).
+
+    Raises:
+        DataError: a requested feature is not in the records.
+    """
+    specs, images = records.select_features(features, records.first_record(path), path)
+
     def decode(serialized):
         batch = tf.io.parse_example(serialized, specs)
         for key, info in images.items():
