@@ -118,7 +118,9 @@ def distribute(strategy: tf.distribute.Strategy | None,
 
     TensorFlow calls ``dataset_fn(input_context)`` on each worker and does no sharding
     of its own: pass the context on to ``tfrecord_dataset(..., input_context=ctx)``,
-    which shards the files and splits the global ``batch_size`` per replica::
+    which shards the files and splits the global ``batch_size`` per replica. Workers
+    can hold a file more or fewer than each other in an epoch, so train with
+    ``repeat=True`` and ``steps_per_epoch``, which keeps their steps in lock-step::
 
         dataset = tfdist.data.distribute(strategy, lambda ctx: tfdist.data.tfrecord_dataset(
             "shards/train-*.tfrecord", batch_size=256, input_context=ctx, repeat=True))

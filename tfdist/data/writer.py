@@ -94,8 +94,9 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
 def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
     if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
         raise DataError(f"num_shards must be a positive int: received num_shards={num_shards!r}.")
-    if not prefix or "/" in prefix or "*" in prefix:
-        raise DataError(f"prefix must be a non-empty file name part without '/' or '*': received prefix={prefix!r}.")
+    if not prefix or any(char in prefix for char in "/*?["):
+        raise DataError(f"prefix must be a non-empty file name part without '/' or glob characters (*?[): "
+                        f"received prefix={prefix!r}.")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"Unknown image_format={image_format!r}; choose one of {list(IMAGE_FORMATS)}.")
     if not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
