@@ -14,6 +14,7 @@ and a fresh permutation each epoch still covers every file once.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Callable, Mapping, Sequence, Union
 
@@ -237,16 +238,15 @@ def batch_parser(path: str, *, features: Mapping[str, object] | Sequence[str] | 
 
 def _decode_images(encoded: tf.Tensor, key: str, info: records.ImageInfo, image_size) -> tf.Tensor:
     height, width = image_size or (info.height, info.width)
+    # Names the decode op so that TensorFlow's own shape error says the fix, at no cost per image:
+    # "Shape of tensor .../image_sizes_differ__pass_image_size/DecodeImage [6,6,3] is not compatible
+    # with expected shape [4,6,3]".
+    op_name = re.sub(r"[^A-Za-z0-9_.]", "_", key) + "_sizes_differ__pass_image_size"
 
     def decode_one(data):
-        image = tf.io.decode_image(data, channels=info.channels, expand_animations=False)
+        image = tf.io.decode_image(data, channels=info.channels, expand_animations=False, name=op_name)
         if image_size:
-            return tf.saturate_cast(tf.round(tf.image.resize(image, image_size)), tf.uint8)
-        same_size = tf.debugging.assert_equal(
-            tf.shape(image)[:2], [height, width],
-            message=f"Images of feature {key!r} differ in size (the first record's is {height}x{width}): "
-                    "pass image_size=(height, width) to tfrecord_dataset to resize them.")
-        with tf.control_dependencies([same_size]):
-            return tf.ensure_shape(image, [height, width, info.channels])
+            image = tf.saturate_cast(tf.round(tf.image.resize(image, image_size)), tf.uint8)
+        return tf.ensure_shape(image, [height, width, info.channels])
 
     return tf.map_fn(decode_one, encoded, fn_output_signature=tf.TensorSpec([height, width, info.channels], tf.uint8))
