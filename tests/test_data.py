@@ -79,6 +79,13 @@ def test_features_parse_fn_resize_and_augment(jpeg_shards):
     assert sorted(labels.numpy().tolist()) == sorted(source()["label"].tolist())
 
 
+def test_features_as_tf_io_specs(jpeg_shards):
+    specs = {"image": tf.io.FixedLenFeature([], tf.string), "score": tf.io.FixedLenFeature([2], tf.float32)}
+    batch = next(iter(data.tfrecord_dataset(jpeg_shards.pattern, batch_size=4, features=specs)))
+    assert sorted(batch) == ["image", "score"]
+    assert batch["image"].shape == (4, 16, 16, 3) and batch["score"].shape == (4, 2)
+
+
 def test_images_of_different_sizes_need_image_size(tmp_path):
     sizes = tf.data.Dataset.range(4).map(lambda i: {"image": tf.zeros([4 + 2 * i, 6, 3], tf.uint8), "label": i})
     shards = data.write_tfrecords(sizes, str(tmp_path), num_shards=1)
