@@ -53,7 +53,11 @@ def convert(dataset: str, split: str, out_dir: str, *, num_shards: int = 16, sou
     """
     if source not in SOURCES:
         raise ConvertError(f"Unknown source={source!r}; choose one of {list(SOURCES)}.")
-    import tensorflow_datasets as tfds
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise ConvertError("tfdist convert needs tensorflow-datasets (and importlib_resources): "
+                           "pip install 'tfdist[bench]'.") from None
 
     prefix = prefix or re.sub(r"[^A-Za-z0-9_.-]+", "_", split).strip("_") or "data"
     mock = (tfds.testing.mock_data(num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE)
