@@ -14,6 +14,7 @@ _SUBCOMMANDS = {
     "run": ("tfdist.run", "start N workers of a multi-worker job on this machine"),
     "bench": ("tfdist.bench.cli", "time 1 vs N replicas on a tensorflow-datasets dataset"),
     "doctor": ("tfdist.doctor", "check versions, devices, the cluster and its ports"),
+    "convert": ("tfdist.data.convert", "write a tensorflow-datasets split into TFRecord shards"),
 }
 
 

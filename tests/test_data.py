@@ -1,0 +1,194 @@
+"""tfdist.data writing and reading: round trips, shard files, and a clear error for each bad input."""
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist import data
+
+NUM = 24
+
+
+def smooth_images(num, height=16, width=16, channels=3):
+    """Gradients with a per-image offset: JPEG keeps them close (random noise it would not)."""
+    y, x = np.mgrid[0:height, 0:width]
+    base = (x * 6 + y * 4)[None, :, :, None] + 5 * np.arange(num)[:, None, None, None]
+    return (base + np.arange(channels) * 20).clip(0, 255).astype(np.uint8)
+
+
+def source():
+    return {
+        "image": smooth_images(NUM),
+        "label": (np.arange(NUM) * 7 % 5).astype(np.int32),
+        "score": np.random.default_rng(0).normal(size=(NUM, 2)).astype(np.float32),
+        "name": np.array([f"item{i}\x00".encode() for i in range(NUM)], dtype=object),
+    }
+
+
+def read_all(pattern, **kwargs):
+    """Every record, sorted by its index, as NumPy arrays per feature."""
+    batches = list(data.tfrecord_dataset(pattern, batch_size=5, shuffle=False, **kwargs).as_numpy_iterator())
+    merged = {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+    order = np.argsort(merged["index"]) if "index" in merged else slice(None)
+    return {key: value[order] for key, value in merged.items()}
+
+
+@pytest.fixture(scope="module")
+def jpeg_shards(tmp_path_factory):
+    return data.write_tfrecords(source(), str(tmp_path_factory.mktemp("jpeg")), num_shards=4)
+
+
+def test_shards_are_named_and_filled_round_robin(jpeg_shards):
+    names = [os.path.basename(p) for p in jpeg_shards.paths]
+    assert names == [f"data-0000{i}-of-00004.tfrecord" for i in range(4)]
+    assert jpeg_shards.num_records == NUM
+    assert sorted(os.listdir(os.path.dirname(jpeg_shards.paths[0]))) == names  # no temporary left behind
+    assert [data.check_file(p).num_records for p in jpeg_shards.paths] == [6, 6, 6, 6]
+
+
+def test_round_trip_labels_exact_jpeg_close(jpeg_shards):
+    got, want = read_all(jpeg_shards.pattern), source()
+    np.testing.assert_array_equal(got["index"], np.arange(NUM))
+    np.testing.assert_array_equal(got["label"], want["label"])
+    np.testing.assert_array_equal(got["score"], want["score"])  # float32 stored bit-exact
+    assert got["name"].tolist() == want["name"].tolist()  # bytes kept whole, trailing NUL included
+    assert got["image"].dtype == np.uint8 and got["image"].shape == (NUM, 16, 16, 3)
+    error = np.abs(got["image"].astype(int) - want["image"])
+    assert error.mean() < 2.5 and error.max() <= 16  # JPEG at quality 95, chroma subsampled
+
+
+def test_png_round_trip_is_exact_and_grayscale_gets_a_channel(tmp_path):
+    images = smooth_images(NUM, channels=1)[..., 0]  # (N, H, W)
+    labels = np.arange(NUM)
+    shards = data.write_tfrecords(tf.data.Dataset.from_tensor_slices((images, labels)), str(tmp_path),
+                                  num_shards=3, image_format="png")
+    got = read_all(shards.pattern)
+    np.testing.assert_array_equal(got["image"], images[..., None])
+    np.testing.assert_array_equal(got["label"], labels)
+
+
+def test_features_parse_fn_resize_and_augment(jpeg_shards):
+    dataset = data.tfrecord_dataset(jpeg_shards.pattern, batch_size=NUM, features=["image", "label"],
+                                    image_size=(8, 10), augment=True, seed=0,
+                                    parse_fn=lambda b: (tf.cast(b["image"], tf.float32) / 255, b["label"]))
+    images, labels = next(iter(dataset))
+    assert images.shape == (NUM, 8, 10, 3) and images.dtype == tf.float32
+    assert sorted(labels.numpy().tolist()) == sorted(source()["label"].tolist())
+
+
+def test_features_as_tf_io_specs(jpeg_shards):
+    specs = {"image": tf.io.FixedLenFeature([], tf.string), "score": tf.io.FixedLenFeature([2], tf.float32)}
+    batch = next(iter(data.tfrecord_dataset(jpeg_shards.pattern, batch_size=4, features=specs)))
+    assert sorted(batch) == ["image", "score"]
+    assert batch["image"].shape == (4, 16, 16, 3) and batch["score"].shape == (4, 2)
+
+
+def test_images_of_different_sizes_need_image_size(tmp_path):
+    sizes = tf.data.Dataset.range(4).map(lambda i: {"image": tf.zeros([4 + 2 * i, 6, 3], tf.uint8), "label": i})
+    shards = data.write_tfrecords(sizes, str(tmp_path), num_shards=1)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"image_sizes_differ__pass_image_size/DecodeImage \[(6|8|10),6,3\] is not compatible with "
+                             r"expected shape \[4,6,3\]"):
+        read_all(shards.pattern)
+    assert read_all(shards.pattern, image_size=(5, 5))["image"].shape == (4, 5, 5, 3)
+
+
+def test_a_crash_leaves_no_shard_under_a_final_name(tmp_path):
+    def examples():
+        for i in range(10):
+            if i == 7:
+                raise RuntimeError("source died")
+            yield {"image": np.full((4, 4, 3), i, np.uint8), "label": i}
+
+    spec = {"image": tf.TensorSpec([4, 4, 3], tf.uint8), "label": tf.TensorSpec([], tf.int64)}
+    with pytest.raises(tf.errors.UnknownError, match="source died"):
+        data.write_tfrecords(tf.data.Dataset.from_generator(examples, output_signature=spec), str(tmp_path),
+                             num_shards=2)
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_shards_need_overwrite(tmp_path):
+    data.write_tfrecords(source(), str(tmp_path), num_shards=3)
+    with pytest.raises(FileExistsError, match=r"already holds 3 shard\(s\) named data-\*-of-\*.tfrecord.*overwrite=True"):
+        data.write_tfrecords(source(), str(tmp_path), num_shards=2)
+    result = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
+    assert sorted(str(p) for p in tmp_path.iterdir()) == sorted(result.paths)  # the 3 old shards are gone
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"num_shards": 0}, r"num_shards must be a positive int: received num_shards=0"),
+    ({"num_shards": 2, "image_format": "gif"}, r"Unknown image_format='gif'; choose one of \['jpeg', 'png'\]"),
+    ({"num_shards": 2, "jpeg_quality": 0}, r"jpeg_quality must be an int from 1 to 100: received jpeg_quality=0"),
+    ({"num_shards": 2, "prefix": "a/b"}, r"prefix must be .* received prefix='a/b'"),
+])
+def test_bad_writer_arguments(tmp_path, kwargs, message):
+    with pytest.raises(data.DataError, match=message):
+        data.write_tfrecords(source(), str(tmp_path), **kwargs)
+
+
+@pytest.mark.parametrize("bad_source,message", [
+    ({"x": np.zeros((3, 2, 2), np.float32)}, r"Feature 'x' has shape \(2, 2\) and dtype float32.*flatten"),
+    ({"index": np.arange(3)}, r"already has a feature named 'index'"),
+    ((np.zeros(3), np.zeros(3), np.zeros(3)), r"dict of arrays or an \(images, labels\) pair; received a tuple of 3"),
+    ("images.npy", r"Cannot write a source of type str"),
+    ({"image": np.zeros((3, 4, 4, 2), np.uint8)}, r"Image feature 'image' has 2 channels; jpeg stores \(1, 3\)"),
+    (tf.data.Dataset.range(0).map(lambda i: {"label": i}), r"The source holds no example"),
+])
+def test_bad_sources(tmp_path, bad_source, message):
+    with pytest.raises(data.DataError, match=message):
+        data.write_tfrecords(bad_source, str(tmp_path), num_shards=1)
+    assert not list(tmp_path.glob("*.tfrecord"))
+
+
+def test_pattern_matching_no_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"file_pattern='.*nothing-\*' matches no file"):
+        data.tfrecord_dataset(str(tmp_path / "nothing-*"), batch_size=4)
+
+
+@pytest.mark.parametrize("batch_size", [0, -4, 2.5, True])
+def test_batch_size_must_be_positive(jpeg_shards, batch_size):
+    with pytest.raises(data.DataError, match=rf"batch_size must be a positive int: received batch_size={batch_size}"):
+        data.tfrecord_dataset(jpeg_shards.pattern, batch_size=batch_size)
+
+
+def test_missing_feature_names_the_key(jpeg_shards):
+    with pytest.raises(data.DataError, match=r"Feature\(s\) \['labels'\] .* hold \['image', 'index', 'label', 'name'"):
+        data.tfrecord_dataset(jpeg_shards.pattern, batch_size=4, features=["image", "labels"])
+
+
+def damaged_copy(shards, directory: pathlib.Path, damage):
+    """The shards copied into ``directory``, the last one replaced by ``damage(bytes)``."""
+    for path in shards.paths:
+        content = pathlib.Path(path).read_bytes()
+        last = path == shards.paths[-1]
+        (directory / os.path.basename(path)).write_bytes(damage(content) if last else content)
+    return str(directory / os.path.basename(shards.paths[-1])), str(directory / "data-*.tfrecord")
+
+
+def test_non_tfrecord_file_is_named(jpeg_shards, tmp_path):
+    bad, pattern = damaged_copy(jpeg_shards, tmp_path, lambda content: b"label,image\n1,cat.jpg\n" * 10)
+    with pytest.raises(data.DataError, match=rf"Cannot read {bad}: not a TFRecord file.*skip_corrupt=True"):
+        data.tfrecord_dataset(pattern, batch_size=4)
+
+
+def test_truncated_file_is_named_or_skipped_and_counted(jpeg_shards, tmp_path):
+    bad, pattern = damaged_copy(jpeg_shards, tmp_path, lambda content: content[:-100])
+    with pytest.raises(data.DataError, match=rf"Cannot read {bad}: truncated: record 5 at byte \d+ needs"):
+        data.tfrecord_dataset(pattern, batch_size=4)
+    with pytest.warns(UserWarning, match=r"skipped damaged data in 1 of 4 file\(s\), keeping 5 record\(s\)"):
+        dataset = data.tfrecord_dataset(pattern, batch_size=4, skip_corrupt=True)
+    seen = sorted(int(i) for batch in dataset for i in batch["index"].numpy())
+    assert seen == sorted(set(range(NUM)) - {NUM - 1})  # the last shard's last record (index 23) is lost
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"image_size": (0, 4)}, r"image_size must be \(height, width\) in positive ints or None: received \(0, 4\)"),
+    ({"repeat": -1}, r"repeat must be True, False or a positive number of epochs: received repeat=-1"),
+    ({"shuffle_buffer": 0}, r"shuffle_buffer must be a positive int: received shuffle_buffer=0"),
+])
+def test_bad_reader_arguments(jpeg_shards, kwargs, message):
+    with pytest.raises(data.DataError, match=message):
+        data.tfrecord_dataset(jpeg_shards.pattern, batch_size=4, **kwargs)

@@ -1,0 +1,252 @@
+"""Reading TFRecord shards for training: ``tfrecord_dataset`` and ``distribute``.
+
+The pipeline, in order: list the files -> shuffle them (a seed every worker shares)
+-> shard per input pipeline -> read files in parallel (interleave) -> shuffle records
+-> batch -> parse and decode whole batches (parallel map) -> prefetch.
+
+Sharding is file-level when there are at least as many files as input pipelines
+(each pipeline reads whole files) and record-level otherwise (each pipeline reads
+every file and keeps every n-th record of each, with a warning). Either way every
+record is read exactly once per epoch across all pipelines. The shared file seed
+makes the shuffled file list identical on every worker, so its shards are disjoint,
+and a fresh permutation each epoch still covers every file once.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Callable, Mapping, Sequence, Union
+
+import tensorflow as tf
+
+from tfdist.data import records
+from tfdist.data.records import DataError
+
+FilePattern = Union[str, Sequence[str]]
+# The file-order seed when none is given: a constant, so all workers agree without talking.
+_DEFAULT_FILE_SEED = 20261122
+_MAX_OPEN_FILES = 16
+
+
+class ShardingWarning(UserWarning):
+    """Fewer files than input pipelines: each pipeline reads every file (record-level sharding)."""
+
+
+def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
+                     features: Mapping[str, object] | Sequence[str] | None = None,
+                     parse_fn: Callable | None = None, input_context: tf.distribute.InputContext | None = None,
+                     shuffle: bool = True, shuffle_buffer: int = 4096, seed: int | None = None,
+                     repeat: bool | int = False, cache: bool | str = False, drop_remainder: bool | None = None,
+                     image_size: tuple[int, int] | None = None, augment: bool = False,
+                     deterministic: bool | None = None, skip_corrupt: bool = False) -> tf.data.Dataset:
+    """A batched dataset of parsed, decoded records from TFRecord files.
+
+    Args:
+        file_pattern: a glob pattern (``"out/data-*.tfrecord"``) or a list of them.
+        batch_size: with ``input_context``, the GLOBAL batch, split evenly over the
+            replicas; without, the batch this dataset yields.
+        features: None reads every feature the records hold (what ``write_tfrecords``
+            wrote); a list of names reads those; a mapping of names to ``tf.io`` specs
+            parses with those specs. Encoded images among them are decoded to uint8.
+        parse_fn: called on each parsed, decoded batch (a dict of batched tensors), in
+            the same parallel map; returns what the model takes, e.g.
+            ``lambda b: (tf.cast(b["image"], "float32") / 255, b["label"])``.
+        input_context: the ``tf.distribute.InputContext`` that ``distribute`` (or
+            ``strategy.distribute_datasets_from_function``) passes; shards the files.
+        shuffle: shuffle the file order and the records (through ``shuffle_buffer``
+            serialized records), anew each epoch.
+        shuffle_buffer: records held for shuffling (memory: this many encoded records).
+        seed: makes the order reproducible (and, with ``deterministic`` left None,
+            keeps parallel reading in order).
+        repeat: True repeats forever, an int that many epochs.
+        cache: True caches this pipeline's serialized records in memory after the first
+            epoch, a string caches them to that file.
+        drop_remainder: drop a last partial batch; None drops it only when repeating,
+            which gives every batch a static size.
+        image_size: (height, width) to resize images to; needed when image sizes differ.
+        augment: flip images left-right at random.
+        deterministic: keep record order under parallelism; None keeps it when a seed is
+            given or shuffling is off, and otherwise lets the fastest record go first.
+        skip_corrupt: skip damaged data (keeping a damaged file's records before the
+            damage) with a warning that counts it, instead of raising.
+
+    Returns:
+        A ``tf.data.Dataset`` of batches.
+
+    Raises:
+        FileNotFoundError: ``file_pattern`` matches no file.
+        DataError: a damaged or non-TFRecord file (unless ``skip_corrupt``), a feature
+            missing from the records, or a bad batch size or argument.
+    """
+    batch = per_pipeline_batch_size(batch_size, input_context)
+    _check_arguments(shuffle_buffer, image_size, repeat)
+    paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
+    pipelines = input_context.num_input_pipelines if input_context else 1
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
+    record_level = _record_level_sharding(len(paths), pipelines)
+    ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
+
+    files = tf.data.Dataset.from_tensor_slices((paths, tf.constant(counts, tf.int64)))
+    if shuffle:
+        files = files.shuffle(len(paths), seed=_DEFAULT_FILE_SEED if seed is None else seed)
+    if pipelines > 1 and not record_level:
+        files = files.shard(pipelines, pipeline_id)
+
+    def read_file(path, count):
+        file_records = tf.data.TFRecordDataset(path).take(count)
+        return file_records.shard(pipelines, pipeline_id) if record_level else file_records
+
+    dataset = files.interleave(read_file, cycle_length=min(len(paths), _MAX_OPEN_FILES),
+                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
+    if cache:
+        dataset = dataset.cache("" if cache is True else cache)
+    if shuffle:
+        dataset = dataset.shuffle(shuffle_buffer, seed=seed)
+    if repeat:
+        dataset = dataset.repeat(None if repeat is True else repeat)
+    dataset = dataset.batch(batch, drop_remainder=bool(repeat) if drop_remainder is None else drop_remainder)
+    decode = batch_parser(paths[0], features=features, image_size=image_size, augment=augment, seed=seed,
+                          parse_fn=parse_fn)
+    dataset = dataset.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def distribute(strategy: tf.distribute.Strategy | None,
+               dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset],
+               options: tf.distribute.InputOptions | None = None):
+    """Builds one input pipeline per worker through ``strategy.distribute_datasets_from_function``.
+
+    TensorFlow calls ``dataset_fn(input_context)`` on each worker and does no sharding
+    of its own: pass the context on to ``tfrecord_dataset(..., input_context=ctx)``,
+    which shards the files and splits the global ``batch_size`` per replica. Workers
+    can hold a file more or fewer than each other in an epoch, so train with
+    ``repeat=True`` and ``steps_per_epoch``, which keeps their steps in lock-step::
+
+        dataset = tfdist.data.distribute(strategy, lambda ctx: tfdist.data.tfrecord_dataset(
+            "shards/train-*.tfrecord", batch_size=256, input_context=ctx, repeat=True))
+        model.fit(dataset, epochs=10, steps_per_epoch=num_records // 256)
+
+    Args:
+        strategy: the strategy; None uses the current one (``tf.distribute.get_strategy()``).
+        dataset_fn: builds this worker's dataset of per-replica batches from an InputContext.
+        options: ``tf.distribute.InputOptions`` (prefetching to devices and the like).
+
+    Returns:
+        A distributed dataset that ``model.fit`` and ``strategy.run`` loops accept.
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    if not callable(dataset_fn):
+        raise DataError(f"dataset_fn must be a function of a tf.distribute.InputContext; received {dataset_fn!r}.")
+    return strategy.distribute_datasets_from_function(dataset_fn, options)
+
+
+def per_pipeline_batch_size(batch_size: int, input_context: tf.distribute.InputContext | None = None) -> int:
+    """The batch one input pipeline yields: the global batch split per replica.
+
+    Raises:
+        DataError: ``batch_size`` is not a positive int, or does not divide by the replicas.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise DataError(f"batch_size must be a positive int: received batch_size={batch_size!r}.")
+    if input_context is None:
+        return batch_size
+    replicas = input_context.num_replicas_in_sync
+    if batch_size % replicas:
+        raise DataError(f"The global batch_size={batch_size} does not divide by the {replicas} replicas in sync: "
+                        f"pass a multiple of {replicas}, e.g. {max(1, batch_size // replicas) * replicas}.")
+    return batch_size // replicas
+
+
+def _check_arguments(shuffle_buffer: int, image_size, repeat) -> None:
+    if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
+        raise DataError(f"shuffle_buffer must be a positive int: received shuffle_buffer={shuffle_buffer!r}.")
+    if image_size is not None and not (len(image_size) == 2 and all(isinstance(n, int) and n > 0 for n in image_size)):
+        raise DataError(f"image_size must be (height, width) in positive ints or None: received {image_size!r}.")
+    if repeat is not True and repeat is not False and not (isinstance(repeat, int) and repeat > 0):
+        raise DataError(f"repeat must be True, False or a positive number of epochs: received repeat={repeat!r}.")
+
+
+def _list_files(file_pattern: FilePattern) -> list[str]:
+    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
+    paths = sorted({path for pattern in patterns for path in tf.io.gfile.glob(pattern)
+                    if not tf.io.gfile.isdir(path)})
+    if not paths:
+        raise FileNotFoundError(f"file_pattern={file_pattern!r} matches no file. Check the directory; shards from "
+                                "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
+                                "(pattern 'DIR/data-*.tfrecord').")
+    return paths
+
+
+def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], list[int]]:
+    """The files holding records, each with how many complete records it holds."""
+    checks = [records.check_file(path) for path in paths]
+    damaged = [check for check in checks if check.problem]
+    if damaged and not skip_corrupt:
+        bad = damaged[0]
+        more = f" ({len(damaged) - 1} more file(s) are damaged too)" if len(damaged) > 1 else ""
+        raise DataError(f"Cannot read {bad.path}: {bad.problem}{more}. Replace the file, or pass "
+                        "skip_corrupt=True to skip damaged data (a damaged file's records before the damage are kept).")
+    if damaged:
+        kept = sum(check.num_records for check in damaged)
+        warnings.warn(f"skip_corrupt=True: skipped damaged data in {len(damaged)} of {len(paths)} file(s), "
+                      f"keeping {kept} record(s) from before the damage: "
+                      + "; ".join(f"{check.path} ({check.problem})" for check in damaged), stacklevel=3)
+    counts = {check.path: check.num_records for check in checks if check.num_records}
+    if not counts:
+        raise DataError(f"No file of {paths} holds a readable record.")
+    return list(counts), list(counts.values())
+
+
+def _record_level_sharding(num_files: int, pipelines: int) -> bool:
+    if num_files >= pipelines:
+        return False
+    warnings.warn(f"{num_files} file(s) for {pipelines} input pipelines: every pipeline reads every file and keeps "
+                  f"1 record in {pipelines} (record-level sharding), which reads all data {pipelines} times. Write at "
+                  f"least {pipelines} files (write_tfrecords(num_shards={pipelines}) or more) so each reads whole files.",
+                  ShardingWarning, stacklevel=3)
+    return True
+
+
+def batch_parser(path: str, *, features: Mapping[str, object] | Sequence[str] | None = None,
+                 image_size: tuple[int, int] | None = None, augment: bool = False, seed: int | None = None,
+                 parse_fn: Callable | None = None) -> Callable[[tf.Tensor], object]:
+    """The function ``tfrecord_dataset`` maps over batches of serialized records, for custom pipelines.
+
+    Args:
+        path: a TFRecord file whose first record shows the features (and image sizes).
+        features, image_size, augment, seed, parse_fn: as for ``tfrecord_dataset``.
+
+    Returns:
+        A function from a 1-D string tensor of serialized records to the parsed, decoded
+        batch (or what ``parse_fn`` makes of it).
+
+    Raises:
+        DataError: a requested feature is not in the records.
+    """
+    specs, images = records.select_features(features, records.first_record(path), path)
+
+    def decode(serialized):
+        batch = tf.io.parse_example(serialized, specs)
+        for key, info in images.items():
+            batch[key] = _decode_images(batch[key], key, info, image_size)
+            if augment:
+                batch[key] = tf.image.random_flip_left_right(batch[key], seed=seed)
+        return parse_fn(batch) if parse_fn else batch
+    return decode
+
+
+def _decode_images(encoded: tf.Tensor, key: str, info: records.ImageInfo, image_size) -> tf.Tensor:
+    height, width = image_size or (info.height, info.width)
+    # Names the decode op so that TensorFlow's own shape error says the fix, at no cost per image:
+    # "Shape of tensor .../image_sizes_differ__pass_image_size/DecodeImage [6,6,3] is not compatible
+    # with expected shape [4,6,3]".
+    op_name = re.sub(r"[^A-Za-z0-9_.]", "_", key) + "_sizes_differ__pass_image_size"
+
+    def decode_one(data):
+        image = tf.io.decode_image(data, channels=info.channels, expand_animations=False, name=op_name)
+        if image_size:
+            image = tf.saturate_cast(tf.round(tf.image.resize(image, image_size)), tf.uint8)
+        return tf.ensure_shape(image, [height, width, info.channels])
+
+    return tf.map_fn(decode_one, encoded, fn_output_signature=tf.TensorSpec([height, width, info.channels], tf.uint8))

@@ -1,0 +1,192 @@
+"""Writing examples into TFRecord shards: ``write_tfrecords``.
+
+Examples go to shards round-robin (example i to shard i % num_shards), so shards
+differ in size by at most one record. Every shard is written under a temporary
+directory inside ``out_dir`` and moved to its final name only once all shards are
+complete: a crash never leaves a half-written shard under a final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteResult:
+    """The shards ``write_tfrecords`` wrote."""
+
+    paths: tuple[str, ...]
+    num_records: int
+
+    @property
+    def pattern(self) -> str:
+        """A file pattern matching these shards, for ``tfrecord_dataset``."""
+        first = self.paths[0]
+        prefix = first[:first.rindex("-", 0, first.rindex("-of-"))]
+        return f"{prefix}-*-of-{len(self.paths):05d}.tfrecord"
+
+
+def shard_name(prefix: str, index: int, num_shards: int) -> str:
+    """``prefix-00000-of-00016.tfrecord``."""
+    return f"{prefix}-{index:05d}-of-{num_shards:05d}.tfrecord"
+
+
+def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str = "data",
+                    image_format: str = "jpeg", jpeg_quality: int = 95, overwrite: bool = False) -> WriteResult:
+    """Writes examples into ``num_shards`` TFRecord files of ``tf.train.Example``.
+
+    Args:
+        source: a ``tf.data.Dataset`` of dicts (a tfds split) or of (image, label) pairs,
+            a dict of NumPy arrays, or an (images, labels) pair of arrays. uint8 features of
+            shape (H, W, C) or (H, W) are images; other features must be scalars or 1-D
+            (numbers, booleans or strings). Floats are stored as float32.
+        out_dir: the directory for the shards (created if missing).
+        num_shards: how many files; write at least as many as the workers that will read
+            them, so each reads whole files.
+        prefix: shard names are ``prefix-00000-of-00016.tfrecord``.
+        image_format: "jpeg" (smaller, lossy) or "png" (lossless).
+        jpeg_quality: 1 to 100.
+        overwrite: replace shards already in ``out_dir`` under this prefix.
+
+    Returns:
+        The shard paths and the number of records; ``result.pattern`` matches the shards.
+
+    Raises:
+        DataError: bad arguments, an unsupported feature, an empty source, or a source
+            that already has a feature named "index".
+        FileExistsError: shards with this prefix exist and ``overwrite`` is False.
+    """
+    _check_arguments(num_shards, prefix, image_format, jpeg_quality)
+    dataset = _as_dataset(source)
+    kinds = _feature_kinds(dataset.element_spec, image_format)
+    existing = tf.io.gfile.glob(os.path.join(out_dir, f"{prefix}-*-of-*.tfrecord"))
+    if existing and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
+                              "pass overwrite=True to replace them, or choose another prefix or out_dir.")
+    tf.io.gfile.makedirs(out_dir)
+    encoded = dataset.map(_encoder(kinds, image_format, jpeg_quality), num_parallel_calls=tf.data.AUTOTUNE)
+    temp_dir = os.path.join(out_dir, f".tmp-{prefix}-{uuid.uuid4().hex[:8]}")
+    names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    try:
+        tf.io.gfile.makedirs(temp_dir)
+        count = _write_shards(encoded, kinds, [os.path.join(temp_dir, n) for n in names])
+        if count == 0:
+            raise DataError("The source holds no example: nothing to write.")
+        for path in existing:
+            tf.io.gfile.remove(path)
+        paths = tuple(os.path.join(out_dir, n) for n in names)
+        for name, path in zip(names, paths):
+            tf.io.gfile.rename(os.path.join(temp_dir, name), path, overwrite=True)
+    finally:
+        if tf.io.gfile.exists(temp_dir):
+            tf.io.gfile.rmtree(temp_dir)
+    return WriteResult(paths, count)
+
+
+def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+        raise DataError(f"num_shards must be a positive int: received num_shards={num_shards!r}.")
+    if not prefix or any(char in prefix for char in "/*?["):
+        raise DataError(f"prefix must be a non-empty file name part without '/' or glob characters (*?[): "
+                        f"received prefix={prefix!r}.")
+    if image_format not in IMAGE_FORMATS:
+        raise DataError(f"Unknown image_format={image_format!r}; choose one of {list(IMAGE_FORMATS)}.")
+    if not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
+        raise DataError(f"jpeg_quality must be an int from 1 to 100: received jpeg_quality={jpeg_quality!r}.")
+
+
+def _as_dataset(source: Any) -> tf.data.Dataset:
+    """A dataset of dicts from any accepted source."""
+    if isinstance(source, (dict, tuple, list)) and not isinstance(source, tf.data.Dataset):
+        if isinstance(source, (tuple, list)) and len(source) != 2:
+            raise DataError(f"An array source must be a dict of arrays or an (images, labels) pair; "
+                            f"received a {type(source).__name__} of {len(source)} items.")
+        source = tf.data.Dataset.from_tensor_slices(source if isinstance(source, dict) else tuple(source))
+    if not isinstance(source, tf.data.Dataset):
+        raise DataError(f"Cannot write a source of type {type(source).__name__}: pass a tf.data.Dataset "
+                        "(e.g. a tfds split), a dict of NumPy arrays, or an (images, labels) pair.")
+    spec = source.element_spec
+    if isinstance(spec, tuple) and len(spec) == 2:
+        return source.map(lambda image, label: {"image": image, "label": label})
+    if not isinstance(spec, dict):
+        raise DataError(f"Dataset elements must be dicts or (image, label) pairs; received elements of {spec}.")
+    return source
+
+
+def _feature_kinds(spec: dict, image_format: str) -> dict[str, str]:
+    """Each feature's storage: "image", "bytes", "int" or "float"."""
+    if INDEX_KEY in spec:
+        raise DataError(f"The source already has a feature named {INDEX_KEY!r}, which write_tfrecords uses for "
+                        "each example's position; rename it.")
+    kinds = {}
+    for key, tensor_spec in spec.items():
+        if not isinstance(tensor_spec, tf.TensorSpec):
+            raise DataError(f"Feature {key!r} is a {type(tensor_spec).__name__}; write_tfrecords stores dense "
+                            "tensors only: convert it first.")
+        rank, dtype = tensor_spec.shape.rank, tensor_spec.dtype
+        channels = tensor_spec.shape[-1] if rank == 3 else 1
+        if dtype == tf.uint8 and rank in (2, 3):
+            allowed = (1, 3) if image_format == "jpeg" else (1, 2, 3, 4)
+            if channels is not None and channels not in allowed:
+                raise DataError(f"Image feature {key!r} has {channels} channels; {image_format} stores "
+                                f"{allowed}. Use image_format='png' or convert the images.")
+            kinds[key] = "image"
+        elif rank is None or rank > 1:
+            raise DataError(f"Feature {key!r} has shape {tensor_spec.shape} and dtype {dtype.name}; write_tfrecords "
+                            "stores scalars, 1-D arrays and uint8 images (H, W[, C]): reshape or flatten it.")
+        elif dtype == tf.string:
+            kinds[key] = "bytes"
+        elif dtype.is_integer or dtype == tf.bool:
+            kinds[key] = "int"
+        elif dtype.is_floating:
+            kinds[key] = "float"
+        else:
+            raise DataError(f"Feature {key!r} has dtype {dtype.name}, which a tf.train.Example cannot hold; "
+                            "cast it to an integer, float or string type.")
+    return kinds
+
+
+def _encoder(kinds: dict[str, str], image_format: str, jpeg_quality: int):
+    """The tf.data map function that encodes images (in parallel, in the graph)."""
+    def encode(example):
+        out = dict(example)
+        for key, kind in kinds.items():
+            if kind != "image":
+                continue
+            image = example[key] if example[key].shape.rank == 3 else example[key][..., tf.newaxis]
+            out[key] = (tf.io.encode_jpeg(image, quality=jpeg_quality) if image_format == "jpeg"
+                        else tf.io.encode_png(image))
+        return out
+    return encode
+
+
+def _write_shards(encoded: tf.data.Dataset, kinds: dict[str, str], paths: list[str]) -> int:
+    writers = [tf.io.TFRecordWriter(path) for path in paths]
+    count = 0
+    try:
+        for count, example in enumerate(encoded.as_numpy_iterator(), start=1):
+            features = {key: _feature(value, kinds[key]) for key, value in example.items()}
+            features[INDEX_KEY] = tf.train.Feature(int64_list=tf.train.Int64List(value=[count - 1]))
+            record = tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+            writers[(count - 1) % len(writers)].write(record)
+    finally:
+        for writer in writers:
+            writer.close()
+    return count
+
+
+def _feature(value: Any, kind: str) -> tf.train.Feature:
+    if kind in ("image", "bytes"):  # not via NumPy, whose bytes arrays drop trailing NULs
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[value] if isinstance(value, bytes) else list(value)))
+    values = np.atleast_1d(value)
+    if kind == "int":
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=values.astype(np.int64).tolist()))
+    return tf.train.Feature(float_list=tf.train.FloatList(value=values.astype(np.float32).tolist()))
