@@ -8,10 +8,12 @@ import time
 
 import keras
 import pytest
+import tensorflow as tf
 
 import tfdist
-from tfdist import callbacks, cluster, collectives, strategy
+from tfdist import callbacks, cluster, collectives, data, precision, strategy
 from tfdist.bench import cli as bench_cli
+from tfdist.data import convert
 from tfdist.run import main as run_main
 
 FAST_SECONDS = 10
@@ -20,6 +22,19 @@ ONE_WORKER = cluster.ClusterInfo()
 
 def sgd():
     return keras.optimizers.SGD(0.1)
+
+
+def not_a_tfrecord(tmp_dir):
+    path = tmp_dir / "notes-00000-of-00001.tfrecord"
+    path.write_text("these are notes, not records")
+    return str(path)
+
+
+def one_shard(tmp_dir):
+    import numpy as np
+
+    images, labels = np.zeros((4, 8, 8, 3), "uint8"), np.arange(4)
+    return data.write_tfrecords((images, labels), str(tmp_dir), num_shards=1).pattern
 
 
 # (name, call, exception type, message fragment)
@@ -62,16 +77,37 @@ API_CASES = [
      "initial_lr must be a positive number; received initial_lr=-1"),
     ("schedule epochs", lambda: callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, end_epoch=2),
      ValueError, "end_epoch must be after start_epoch; received start_epoch=3"),
+    ("data no files", lambda tmp: data.tfrecord_dataset(str(tmp / "nope-*.tfrecord"), batch_size=8),
+     FileNotFoundError, "matches no file"),
+    ("data not a tfrecord", lambda tmp: data.tfrecord_dataset(not_a_tfrecord(tmp), batch_size=8), data.DataError,
+     "notes-00000-of-00001.tfrecord"),
+    ("data batch size", lambda tmp: data.tfrecord_dataset(one_shard(tmp), batch_size=0), data.DataError,
+     "batch_size must be a positive int: received batch_size=0"),
+    ("data missing feature", lambda tmp: data.tfrecord_dataset(one_shard(tmp), batch_size=2, features=["mask"]),
+     data.DataError, "Feature(s) ['mask'] requested in features= are not in the records"),
+    ("data batch per replica", lambda: data.per_pipeline_batch_size(
+        10, tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)),
+     data.DataError, "The global batch_size=10 does not divide by the 4 replicas in sync"),
+    ("writer shards", lambda tmp: data.write_tfrecords({"x": [1, 2]}, str(tmp), num_shards=0), data.DataError,
+     "num_shards must be a positive int: received num_shards=0"),
+    ("convert source", lambda tmp: convert.convert("tf_flowers", "train", str(tmp), source="web"),
+     convert.ConvertError, "Unknown source='web'; choose one of"),
+    ("precision name", lambda: precision.set_policy("fp8"), precision.PrecisionError,
+     "Unknown precision 'fp8'; choose one of"),
+    ("scope precision", lambda: tfdist.scope(precision="half").__enter__(), precision.PrecisionError,
+     "Unknown precision 'half'"),
+    ("loss scale", lambda: precision.wrap_optimizer(sgd(), initial_scale=0), precision.PrecisionError,
+     "initial_scale must be positive: received 0"),
     ("checkpoint on object store", lambda: callbacks.ModelCheckpoint("gs://bucket/model.keras"), ValueError,
      "tfdist checkpoints write atomically with os.replace"),
 ]
 
 
 @pytest.mark.parametrize("name, call, error, fragment", API_CASES, ids=[c[0] for c in API_CASES])
-def test_api_rejects_bad_input(name, call, error, fragment, fresh_tfdist_strategy):
+def test_api_rejects_bad_input(name, call, error, fragment, fresh_tfdist_strategy, tmp_path):
     started = time.monotonic()
     with pytest.raises(error) as caught:
-        call()
+        call(tmp_path) if call.__code__.co_argcount else call()
     assert fragment in str(caught.value)
     assert time.monotonic() - started < FAST_SECONDS
 
@@ -93,6 +129,8 @@ CLI_CASES = [
      "--replicas 64 is more than the"),
     ("bench unknown dataset", bench_cli.main, ["--dataset", "imagenet_typo"], 2,
      "Unknown --dataset 'imagenet_typo': not a tensorflow-datasets name"),
+    ("convert unknown dataset", convert.main, ["--dataset", "flowerz", "--out", "/tmp/x", "--source", "mock"], 1,
+     "tfds has no dataset named 'flowerz'"),
 ]
 
 

@@ -6,7 +6,6 @@ cluster instead, and the chief writes the report.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -35,7 +34,8 @@ def _bench_locally(config: BenchConfig) -> int:
     from tfdist.bench import sources
     from tfdist.bench.runner import RunResult
 
-    _check_replicas(config, len(tf.config.list_physical_devices("GPU")))
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    _check_replicas(config, gpus)
     sources.num_classes(config.dataset)
     pattern = sources.prepare_records(config)
     print(f"tfdist bench: {config.model} on {config.dataset}, source {config.source}"
@@ -51,7 +51,7 @@ def _bench_locally(config: BenchConfig) -> int:
                 code = launcher.launch(
                     [sys.executable, "-m", "tfdist.bench.runner", config_path, str(replicas), str(batch), out_path,
                      pattern or ""],
-                    num_workers=1, cpu_devices=None if tf.config.list_physical_devices("GPU") else replicas)
+                    num_workers=1, cpu_devices=None if gpus else replicas)
                 if code:
                     print(f"tfdist bench: the run with {replicas} replica(s) at batch {batch} failed "
                           f"(exit {code}); its output is above.", file=sys.stderr)
@@ -59,7 +59,10 @@ def _bench_locally(config: BenchConfig) -> int:
                 with open(out_path) as f:
                     results.append(RunResult(**{k: tuple(v) if isinstance(v, list) else v
                                                 for k, v in json.load(f).items()}))
-    _report(config, results)
+    note = None if gpus or max(config.replicas) == 1 else (
+        f"Note: no GPU here, so replicas are logical CPU devices sharing {os.cpu_count()} core(s): this "
+        "measures tf.distribute's overhead, not a speedup. Run on GPUs or several machines for scaling.")
+    _report(config, results, note)
     return 0
 
 
@@ -89,11 +92,13 @@ def _check_replicas(config: BenchConfig, gpus: int) -> None:
                          f"use at most {available}.")
 
 
-def _report(config: BenchConfig, results) -> None:
+def _report(config: BenchConfig, results, note: str | None = None) -> None:
     from tfdist.bench import report
 
     rows = report.table_rows(config, results)
     print("\n" + report.format_table(rows))
+    if note:
+        print("\n" + note)
     if config.mode == "input":
         print("\n" + report.input_verdict(rows))
     for path, write in ((config.json, lambda p: report.write_json(p, config, results, rows)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 import platform
 from typing import Sequence
 
@@ -65,7 +66,7 @@ def write_json(path: str, config: BenchConfig, results: Sequence[RunResult], row
     payload = {
         "versions": {"tfdist": tfdist.__version__, "tensorflow": tf.__version__, "keras": keras.__version__,
                      "python": platform.python_version()},
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
+        "machine": {"platform": platform.platform(), "processor": platform.machine(), "cpu_cores": os.cpu_count(),
                     "gpus": [d.name for d in tf.config.list_physical_devices("GPU")]},
         "config": dataclasses.asdict(config),
         "runs": [{**dataclasses.asdict(r), "images_per_sec": r.images_per_sec} for r in results],

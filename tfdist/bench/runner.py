@@ -79,10 +79,18 @@ def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int
                       metrics=["accuracy"])
     dataset = sources.train_dataset(config, strategy, pattern, global_batch, classes)
     timer = EpochTimer(strategy.num_replicas_in_sync, global_batch, config.steps_per_epoch)
-    model.fit(dataset, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch, verbose=0, callbacks=[timer])
+    model.fit(dataset, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch, verbose=0, callbacks=[timer],
+              shuffle=False)  # the input pipeline shuffles; Keras would only warn
     return RunResult(strategy.num_replicas_in_sync, global_batch, type(strategy).__name__,
-                     tuple(strategy.extended.worker_devices), tuple(timer.seconds),
+                     _device_names(strategy), tuple(timer.seconds),
                      global_batch * config.steps_per_epoch, input_rate)
+
+
+def _device_names(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
+    """The replicas' devices; for the default strategy, where TensorFlow places ops by default."""
+    if tf.distribute.has_strategy() or strategy is not tf.distribute.get_strategy():
+        return tuple(strategy.extended.worker_devices)
+    return tuple(d.name for d in (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))[:1])
 
 
 def input_records_per_sec(config: BenchConfig, pattern: str | None, global_batch: int) -> float:

@@ -1,0 +1,73 @@
+"""`tfdist bench` end to end on tiny settings (mock and synthetic data, 1 and 2 replicas)."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from tests.jobs import job_env
+
+TIMEOUT = 240
+TINY = ["--model", "small_cnn", "--image-size", "16", "--batch-size", "8", "--epochs", "2",
+        "--steps-per-epoch", "2", "--mock-examples", "32", "--shards", "2"]
+
+
+def bench(*args, launcher=()):
+    """Runs `tfdist bench` (under `tfdist run LAUNCHER` when given); returns its stdout."""
+    cli = [sys.executable, "-m", "tfdist.cli", "bench", *TINY, *args]
+    command = [sys.executable, "-m", "tfdist.run", *launcher, "--", *cli] if launcher else cli
+    result = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def mock_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = bench("--source", "mock", "--replicas", "1,2", "--cache-dir", str(out / "cache"),
+                   "--json", str(out / "r.json"), "--csv", str(out / "r.csv"), "--plot", str(out / "r.png"))
+    return out, stdout
+
+
+def test_table_compares_one_and_two_replicas(mock_run):
+    out, stdout = mock_run
+    assert "small_cnn on tf_flowers, source mock" in stdout
+    assert "replicas 2, global batch 8: epoch 2" in stdout
+    assert "images_per_sec" in stdout and "efficiency" in stdout and "logical CPU devices" in stdout
+    rows = list(csv.DictReader(open(out / "r.csv")))
+    assert [(r["replicas"], r["global_batch"]) for r in rows] == [("1", "8"), ("2", "8")]
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[1]["images_per_sec"]) > 0
+
+
+def test_json_holds_versions_devices_config_and_every_epoch(mock_run):
+    report = json.loads((mock_run[0] / "r.json").read_text())
+    assert report["versions"]["tensorflow"].startswith("2.") and report["machine"]["cpu_cores"] >= 1
+    assert report["config"]["source"] == "mock" and report["config"]["replicas"] == [1, 2]
+    runs = report["runs"]
+    assert [len(r["devices"]) for r in runs] == [1, 2] and runs[1]["strategy"] == "MirroredStrategy"
+    assert all(len(r["epoch_seconds"]) == 2 for r in runs)
+    assert (mock_run[0] / "cache").is_dir()  # the shards are kept for the next run
+
+
+def test_plot_is_a_png_image(mock_run):
+    path = mock_run[0] / "r.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(path).shape[2] in (3, 4)
+
+
+def test_input_mode_says_whether_the_job_is_input_bound(tmp_path):
+    stdout = bench("--source", "mock", "--mode", "input", "--replicas", "1", "--cache-dir", str(tmp_path))
+    assert "input_records_per_sec" in stdout
+    assert "records/s, training takes" in stdout and ("input-bound" in stdout or "compute-bound" in stdout)
+
+
+def test_multi_worker_bench_under_the_launcher(tmp_path):
+    stdout = bench("--source", "synthetic", "--strategy", "multi_worker", "--json", str(tmp_path / "mw.json"),
+                   launcher=("-n", "2", "--timeout", str(TIMEOUT)))
+    assert "random tensors in memory" not in stdout  # the local orchestrator did not run
+    report = json.loads((tmp_path / "mw.json").read_text())
+    assert report["runs"][0]["replicas"] == 2 and report["runs"][0]["strategy"] == "CollectiveAllReduceStrategy"
+    assert stdout.count("wrote ") == 1  # only the chief reports
