@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.jobs import run_job
@@ -43,3 +44,76 @@ def test_a_stuck_peer_makes_the_others_fail_after_the_collective_timeout(tmp_pat
     assert "worker 0 exited with code 1" in result.output and "Collective has timed out" in result.output
     waited = result.results[0]["timed_out_at"] - result.results[1]["stuck_at"]
     assert 4 < waited < 20
+
+
+def damage_a_payload(path: str, record: int) -> None:
+    """Flips a byte inside record ``record``'s payload (its header stays valid)."""
+    import struct
+
+    content = bytearray(open(path, "rb").read())
+    offset = 0
+    for _ in range(record):
+        offset += 12 + struct.unpack("<Q", content[offset:offset + 8])[0] + 4
+    content[offset + 12 + 5] ^= 0xFF
+    open(path, "wb").write(bytes(content))
+
+
+@pytest.fixture
+def shards_with_a_damaged_middle(tmp_path):
+    from tfdist import data
+
+    images = np.random.default_rng(0).integers(0, 255, (64, 8, 8, 3), dtype="uint8")
+    result = data.write_tfrecords((images, np.arange(64) % 2), str(tmp_path), num_shards=4)
+    damage_a_payload(result.paths[2], record=3)
+    return result.pattern
+
+
+def fit_one_epoch(pattern, skip_corrupt):
+    import keras
+
+    from tfdist import data
+
+    dataset = data.tfrecord_dataset(pattern, batch_size=8, skip_corrupt=skip_corrupt, shuffle=False,
+                                    parse_fn=lambda b: (tf.cast(b["image"], "float32") / 255, b["label"]))
+    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Flatten(), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+
+
+def test_a_damaged_record_mid_epoch_stops_training_fast(shards_with_a_damaged_middle):
+    started = time.monotonic()
+    with pytest.raises(tf.errors.DataLossError, match="corrupted record"):
+        fit_one_epoch(shards_with_a_damaged_middle, skip_corrupt=False)
+    assert time.monotonic() - started < 10
+
+
+def test_skip_corrupt_trains_through_a_damaged_record(shards_with_a_damaged_middle):
+    model, history = fit_one_epoch(shards_with_a_damaged_middle, skip_corrupt=True)
+    assert np.isfinite(history.history["loss"][0])
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+@pytest.mark.usefixtures("restore_dtype_policy")
+@pytest.mark.filterwarnings("ignore::tfdist.precision.PrecisionWarning")
+def test_float16_training_survives_many_non_finite_gradients_on_one_replica():
+    """Every 4th batch carries inf on replica 0's half: those steps are skipped on both replicas."""
+    import keras
+
+    from tfdist import precision, strategy as strategy_lib
+
+    mirrored = strategy_lib.make_strategy("mirrored", devices="CPU:[0-1]")
+    precision.set_policy("mixed_float16")
+    steps, poisoned = 40, list(range(0, 40, 4))
+    x, y = common.regression_data(16 * steps)
+    x[[i * 16 + r for i in poisoned for r in range(8)]] = np.inf  # rows 0-7 of a batch go to replica 0
+    with mirrored.scope():
+        model = common.equivalence_model()
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    start = [w.copy() for w in model.get_weights()]
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0, shuffle=False)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert not np.allclose(start[0], model.get_weights()[0])  # the clean steps trained
+    assert precision.current_loss_scale(model.optimizer) <= 2.0**15 / 2 ** len(poisoned)
+    for weight in model.weights:
+        first, second = (v.numpy() for v in mirrored.experimental_local_results(weight.value))
+        np.testing.assert_array_equal(first, second)

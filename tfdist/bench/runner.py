@@ -76,7 +76,7 @@ def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int
     with strategy.scope():
         model = models.build_model(config.model, config.image_size, classes)
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
+                      metrics=["accuracy"], steps_per_execution=safe_steps_per_execution(strategy, config))
     dataset = sources.train_dataset(config, strategy, pattern, global_batch, classes)
     timer = EpochTimer(strategy.num_replicas_in_sync, global_batch, config.steps_per_epoch)
     model.fit(dataset, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch, verbose=0, callbacks=[timer],
@@ -84,6 +84,16 @@ def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int
     return RunResult(strategy.num_replicas_in_sync, global_batch, type(strategy).__name__,
                      _device_names(strategy), tuple(timer.seconds),
                      global_batch * config.steps_per_epoch, input_rate)
+
+
+def safe_steps_per_execution(strategy: tf.distribute.Strategy, config: BenchConfig) -> int:
+    """Steps per ``tf.function`` call: a whole epoch on one device, else 1.
+
+    Running several steps per call saves Python overhead, but Keras fails with it under
+    MirroredStrategy, and even with 2 logical devices and no strategy (keras#19246).
+    """
+    one_device = strategy.num_replicas_in_sync == 1 and len(tf.config.list_logical_devices()) == 1
+    return config.steps_per_epoch if one_device else 1
 
 
 def _device_names(strategy: tf.distribute.Strategy) -> tuple[str, ...]:

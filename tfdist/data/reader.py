@@ -69,7 +69,10 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
         deterministic: keep record order under parallelism; None keeps it when a seed is
             given or shuffling is off, and otherwise lets the fastest record go first.
         skip_corrupt: skip damaged data (keeping a damaged file's records before the
-            damage) with a warning that counts it, instead of raising.
+            damage) with a warning that counts it, instead of raising. Files are checked
+            record header by record header when the dataset is built; a damaged record
+            payload only shows when it is read: then it is skipped and logged, or, without
+            skip_corrupt, TensorFlow stops the epoch with DataLossError.
 
     Returns:
         A ``tf.data.Dataset`` of batches.
@@ -95,6 +98,8 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
 
     def read_file(path, count):
         file_records = tf.data.TFRecordDataset(path).take(count)
+        if skip_corrupt:  # a damaged payload passes the header check: skip it as it is read, and log it
+            file_records = file_records.ignore_errors(log_warning=True)
         return file_records.shard(pipelines, pipeline_id) if record_level else file_records
 
     dataset = files.interleave(read_file, cycle_length=min(len(paths), _MAX_OPEN_FILES),
