@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import glob
 import statistics
 import time
@@ -22,17 +21,7 @@ import tensorflow as tf
 
 from tfdist.bench import models, runner, sources
 from tfdist.bench.config import BenchConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    name: str
-    images: int
-    seconds: float
-
-    @property
-    def images_per_sec(self) -> float:
-        return self.images / self.seconds
+from timing import Timing  # benchmarks/timing.py
 
 
 def plain_keras_dataset(pattern: str, config: BenchConfig, batch: int) -> tf.data.Dataset:

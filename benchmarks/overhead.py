@@ -10,22 +10,12 @@ tfdist / plain (goal >= 0.98).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
 import tensorflow as tf
 
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    name: str
-    images: int
-    seconds: float
-
-    @property
-    def images_per_sec(self) -> float:
-        return self.images / self.seconds
+from timing import Timing  # benchmarks/timing.py
 
 
 def time_fit(strategy: tf.distribute.Strategy, name: str, steps: int, batch: int, image_size: int) -> Timing:
