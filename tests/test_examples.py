@@ -29,3 +29,11 @@ def test_multi_worker_example_saves_on_the_chief_only(tmp_path):
     assert "[0] worker 0 of 2: 2 replicas in sync" in result.stdout
     assert "saved" in result.stdout and "[1] loss" not in result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["multi_worker_model.keras"]
+
+
+def test_horovod_style_example_checkpoints_on_rank_0_only(tmp_path):
+    result = launch("-n", "2", "--timeout", str(TIMEOUT), "--",
+                    sys.executable, "examples/horovod_style.py", str(tmp_path), "1")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[0] test accuracy" in result.stdout and "[1] test accuracy" not in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras"]  # no worker temp dirs left
