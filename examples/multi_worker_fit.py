@@ -1,6 +1,6 @@
 """Train one model on several worker processes (MultiWorkerMirroredStrategy).
 
-    tfdist run -n 2 -- python examples/multi_worker_fit.py
+    tfdist run -n 2 -- python examples/multi_worker_fit.py [OUT_DIR]
 
 On a real cluster, start the same script on every machine with TF_CONFIG set, or with
 srun under SLURM; tfdist reads either. Only the chief prints and saves.
@@ -8,6 +8,7 @@ srun under SLURM; tfdist reads either. Only the chief prints and saves.
 
 import os
 import sys
+import tempfile
 
 import tfdist
 
@@ -31,6 +32,7 @@ history = model.fit(dataset, epochs=3, verbose=2 if tfdist.is_chief() else 0)
 loss = model.evaluate(dataset, verbose=0)
 
 if tfdist.is_chief():
-    path = os.path.join(sys.argv[1] if len(sys.argv) > 1 else ".", "multi_worker_model.keras")
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()
+    path = os.path.join(out_dir, "multi_worker_model.keras")
     model.save(path)
     print(f"loss {history.history['loss'][0]:.4f} -> {loss:.4f}; saved {path}")

@@ -117,3 +117,12 @@ def test_float16_training_survives_many_non_finite_gradients_on_one_replica():
     for weight in model.weights:
         first, second = (v.numpy() for v in mirrored.experimental_local_results(weight.value))
         np.testing.assert_array_equal(first, second)
+
+
+def test_a_worker_that_never_joins_stops_the_job_after_the_start_timeout(tmp_path):
+    started = time.monotonic()
+    result = run_job("lonely_job.py", tmp_path, timeout=120, launcher_args=("--start-timeout", "3"))
+    assert result.returncode == 124, result.output[-3000:]
+    assert ("worker(s) [0, 1] did not join the cluster within --start-timeout 3s; "
+            "worker(s) [1] never reached tfdist.scope()/init()") in result.output
+    assert time.monotonic() - started < 60

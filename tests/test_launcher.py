@@ -62,6 +62,16 @@ def test_worker_that_ignores_sigterm_is_killed(tmp_path):
     assert not any(alive(pid) for pid in worker_pids(tmp_path))
 
 
+def test_workers_that_never_join_are_stopped_after_the_start_timeout(tmp_path):
+    started = time.monotonic()
+    result = launch(tmp_path, "join_alone", "--start-timeout", "1")
+    assert result.returncode == 124
+    assert ("worker(s) [0, 1] did not join the cluster within --start-timeout 1s; worker(s) [1] never reached "
+            "tfdist.scope()/init()") in result.stdout
+    assert time.monotonic() - started < 20
+    assert not any(alive(pid) for pid in worker_pids(tmp_path))
+
+
 def test_interrupt_stops_every_worker(tmp_path):
     command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--grace-period", "1", "--",
                sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "sleep"]
@@ -93,6 +103,7 @@ def test_max_restarts_starts_every_worker_again(tmp_path):
     (["-n", "2", "--cpu-devices", "0", "--", "python"], "--cpu-devices must be at least 1: received 0"),
     (["-n", "2", "--timeout", "-1", "--", "python"], "--timeout must be positive seconds: received -1.0"),
     (["-n", "2", "--max-restarts", "-1", "--", "python"], "--max-restarts must be 0 or more: received -1"),
+    (["-n", "2", "--start-timeout", "0", "--", "python"], "--start-timeout must be positive seconds: received 0.0"),
     (["-n", "2", "--port", "80", "--", "python"], "--port must leave room for 2 ports in 1024..65535: received 80"),
 ])
 def test_bad_launcher_arguments_fail_fast(args, message):

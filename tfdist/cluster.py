@@ -25,6 +25,10 @@ ENV_NUM_WORKERS = "TFDIST_NUM_WORKERS"
 ENV_LOCAL_RANK = "TFDIST_LOCAL_RANK"
 ENV_LOCAL_SIZE = "TFDIST_LOCAL_SIZE"
 ENV_CPU_DEVICES = "TFDIST_CPU_DEVICES"
+# A directory where tfdist marks each worker "joining" and "joined" the cluster, so the
+# launcher can stop a job whose workers never all join (see ``mark_stage``).
+ENV_STATUS_DIR = "TFDIST_STATUS_DIR"
+STAGES = ("joining", "joined")
 # Base port for SLURM jobs: worker with local id k listens on base + k.
 ENV_SLURM_PORT = "TFDIST_PORT"
 DEFAULT_SLURM_PORT = 23456
@@ -245,3 +249,14 @@ def cpu_devices_from_env(env: Mapping[str, str] | None = None) -> int | None:
     if count < 1:
         raise ClusterConfigError(f"{ENV_CPU_DEVICES} must be >= 1: received {count}.")
     return count
+
+
+def mark_stage(stage: str, env: Mapping[str, str] | None = None) -> None:
+    """Tells ``tfdist run`` that this worker reached ``stage`` (a file in its status dir).
+
+    Does nothing outside ``tfdist run`` (no status directory in the environment).
+    """
+    env = os.environ if env is None else env
+    directory = env.get(ENV_STATUS_DIR)
+    if directory and stage in STAGES:
+        open(os.path.join(directory, f"{stage}-{env.get(ENV_WORKER_INDEX, '0')}"), "w").close()

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Sequence
@@ -27,6 +28,7 @@ from tfdist import cluster
 
 ENV_RESTART = "TFDIST_RESTART"
 EXIT_TIMEOUT = 124
+DEFAULT_START_TIMEOUT = 300.0
 EXIT_INTERRUPTED = 130
 _PORT_CLASH = b"address already in use"
 _PORT_CLASH_RETRIES = 3
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to R times when one fails")
     parser.add_argument("--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--start-timeout", type=float, default=DEFAULT_START_TIMEOUT,
+                        help="stop the job when its workers have not all joined the tfdist cluster this many "
+                             "seconds after the first tried (default: %(default)s)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     return parser
 
@@ -102,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=args.timeout,
         max_restarts=args.max_restarts,
         grace_period=args.grace_period,
+        start_timeout=args.start_timeout,
     )
 
 
@@ -115,6 +121,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
     if args.timeout is not None and args.timeout <= 0:
         raise LaunchError(f"--timeout must be positive seconds: received {args.timeout}.")
+    if args.start_timeout <= 0:
+        raise LaunchError(f"--start-timeout must be positive seconds: received {args.start_timeout}.")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be 0 or more: received {args.max_restarts}.")
     if args.port is not None and not 1024 <= args.port <= 65535 - args.num_workers:
@@ -144,7 +152,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def worker_env(addresses: Sequence[str], index: int, cpu_devices: int | None, restart: int,
-               base_env: dict[str, str] | None = None) -> dict[str, str]:
+               status_dir: str, base_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of worker ``index``: a new dict, ``base_env`` untouched."""
     env = dict(os.environ if base_env is None else base_env)
     env.update({
@@ -154,6 +162,7 @@ def worker_env(addresses: Sequence[str], index: int, cpu_devices: int | None, re
         cluster.ENV_LOCAL_RANK: str(index),
         cluster.ENV_LOCAL_SIZE: str(len(addresses)),
         ENV_RESTART: str(restart),
+        cluster.ENV_STATUS_DIR: status_dir,
         "PYTHONUNBUFFERED": "1",
     })
     if cpu_devices is not None:
@@ -163,7 +172,8 @@ def worker_env(addresses: Sequence[str], index: int, cpu_devices: int | None, re
 
 def launch(command: Sequence[str], num_workers: int, cpu_devices: int | None = None,
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = 5.0, out: IO[bytes] | None = None) -> int:
+           grace_period: float = 5.0, start_timeout: float = DEFAULT_START_TIMEOUT,
+           out: IO[bytes] | None = None) -> int:
     """Runs the job, restarting it up to ``max_restarts`` times; returns the exit code."""
     out = out or sys.stdout.buffer
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,7 +187,7 @@ def launch(command: Sequence[str], num_workers: int, cpu_devices: int | None = N
             addresses = [f"127.0.0.1:{port}" for port in ports]
             started = time.monotonic()
             failure, port_clash = _run_once(command, addresses, cpu_devices, restarts, deadline,
-                                            grace_period, out)
+                                            grace_period, start_timeout, out)
             if failure is None:
                 return 0
             if port_clash and base_port is None and port_retries < _PORT_CLASH_RETRIES:
@@ -199,15 +209,16 @@ def launch(command: Sequence[str], num_workers: int, cpu_devices: int | None = N
             signal.signal(signal.SIGTERM, previous_handler)
 
 
-def _run_once(command, addresses, cpu_devices, restart, deadline, grace_period, out):
+def _run_once(command, addresses, cpu_devices, restart, deadline, grace_period, start_timeout, out):
     """Starts every worker and waits; returns (first failure or None, saw a port clash)."""
     lock = threading.Lock()
     workers: list[_Worker] = []
+    status_dir = tempfile.mkdtemp(prefix="tfdist-run-")
     try:
         with _signals_held():  # a Ctrl-C mid-spawn must not lose a started worker's handle
             for index in range(len(addresses)):
                 process = subprocess.Popen(
-                    command, env=worker_env(addresses, index, cpu_devices, restart),
+                    command, env=worker_env(addresses, index, cpu_devices, restart, status_dir),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
@@ -215,12 +226,13 @@ def _run_once(command, addresses, cpu_devices, restart, deadline, grace_period, 
                 worker.reader = threading.Thread(target=_pump, args=(worker, out, lock), daemon=True)
                 worker.reader.start()
                 workers.append(worker)
-        failure = _wait(workers, deadline)
+        failure = _wait(workers, deadline, _StartWatch(status_dir, len(addresses), start_timeout))
         return failure, any(w.saw_port_clash for w in workers)
     except KeyboardInterrupt:
         raise _Stop("interrupted", EXIT_INTERRUPTED) from None
     finally:
         _stop_all(workers, grace_period)
+        shutil.rmtree(status_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -237,9 +249,37 @@ def _signals_held():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
-def _wait(workers: list[_Worker], deadline: float | None) -> _Failure | None:
+class _StartWatch:
+    """Notices workers that never join the cluster (a peer stuck before it: TF then waits >10 min)."""
+
+    def __init__(self, status_dir: str, num_workers: int, timeout: float):
+        self.status_dir, self.num_workers, self.timeout = status_dir, num_workers, timeout
+        self.first_joining: float | None = None
+        self.done = False
+
+    def check(self) -> None:
+        """Raises _Stop when some worker tried to join and not all joined within the timeout."""
+        if self.done:
+            return
+        marks = set(os.listdir(self.status_dir))
+        joined = {i for i in range(self.num_workers) if f"joined-{i}" in marks}
+        if len(joined) == self.num_workers:
+            self.done = True
+        elif self.first_joining is None:
+            if any(name.startswith("joining-") for name in marks):
+                self.first_joining = time.monotonic()
+        elif time.monotonic() - self.first_joining > self.timeout:
+            missing = sorted(set(range(self.num_workers)) - joined)
+            never = [i for i in missing if f"joining-{i}" not in marks]
+            raise _Stop(f"worker(s) {missing} did not join the cluster within --start-timeout {self.timeout:g}s"
+                        + (f"; worker(s) {never} never reached tfdist.scope()/init()" if never else "")
+                        + " (check that every worker starts and can reach the others' ports)", EXIT_TIMEOUT)
+
+
+def _wait(workers: list[_Worker], deadline: float | None, start_watch: _StartWatch) -> _Failure | None:
     """Polls until all workers exit 0 (None) or one fails (its _Failure)."""
     while True:
+        start_watch.check()
         codes = [w.process.poll() for w in workers]
         for worker, code in zip(workers, codes):
             if code not in (None, 0):

@@ -182,8 +182,11 @@ def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: d
         implementation=COMMUNICATIONS[opts["communication"]],
         timeout_seconds=opts["collective_timeout"],
     )
-    return tf.distribute.MultiWorkerMirroredStrategy(
+    cluster_lib.mark_stage("joining")  # the constructor waits for every peer
+    built = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=_cluster_resolver(cluster), communication_options=options)
+    cluster_lib.mark_stage("joined")
+    return built
 
 
 def _cluster_resolver(cluster: cluster_lib.ClusterInfo):

@@ -25,6 +25,10 @@ if mode == "fail_first_attempt" and rank == 1 and attempt == 0:
     sys.exit(5)
 if mode == "fail_first_attempt":
     sys.exit(0)
+if mode == "join_alone" and rank == 0:  # as tfdist does before the strategy waits for its peers
+    from tfdist import cluster
+
+    cluster.mark_stage("joining")
 if mode == "ignore_term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as TensorFlow's preemption handler can
 time.sleep(120)
