@@ -129,13 +129,17 @@ CLI_CASES = [
      "--replicas 64 is more than the"),
     ("bench unknown dataset", bench_cli.main, ["--dataset", "imagenet_typo"], 2,
      "Unknown --dataset 'imagenet_typo': not a tensorflow-datasets name"),
+    ("bench failed download", bench_cli.main, ["--source", "tfds", "--cache-dir", "/tmp/tfdist-bad-input-cache",
+                                               "--data-dir", "/tmp/tfdist-bad-input-tfds"], 2, "--source mock"),
     ("convert unknown dataset", convert.main, ["--dataset", "flowerz", "--out", "/tmp/x", "--source", "mock"], 1,
      "tfds has no dataset named 'flowerz'"),
 ]
 
 
 @pytest.mark.parametrize("name, main, argv, code, fragment", CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_cli_rejects_bad_input(name, main, argv, code, fragment, capsys):
+def test_cli_rejects_bad_input(name, main, argv, code, fragment, capsys, monkeypatch):
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):  # downloads fail at once
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")
     started = time.monotonic()
     try:
         returned = main(argv)

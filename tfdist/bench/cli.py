@@ -14,6 +14,7 @@ from typing import Sequence
 
 from tfdist import cluster, run as launcher
 from tfdist.bench.config import BenchConfig, BenchError, parse_config
+from tfdist.data.records import DataError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cluster.cluster_from_env().is_multi_worker or config.strategy == "multi_worker":
             return _bench_on_cluster(config)
         return _bench_locally(config)
-    except BenchError as err:
+    except (BenchError, DataError) as err:  # bad settings, or a dataset that cannot be loaded
         print(f"tfdist bench: {err}", file=sys.stderr)
         return 2
 
