@@ -61,28 +61,34 @@ def main() -> None:
     pattern = sources.prepare_records(config)
     strategy = tf.distribute.get_strategy()
     fast_steps = runner.safe_steps_per_execution(strategy, config)
-    runs = {
-        "synthetic, tfdist defaults": lambda: time_fit(
-            "synthetic", sources.train_dataset(config, strategy, None, args.batch, 5), config, args.batch, fast_steps),
-        "TFRecords, tfdist defaults": lambda: time_fit(
-            "tfdist", sources.records_dataset(config, pattern, args.batch), config, args.batch, fast_steps),
-        "TFRecords, plain Keras defaults": lambda: time_fit(
-            "plain", plain_keras_dataset(pattern, config, args.batch), config, args.batch, 1),
+    tfdist_data = lambda: sources.records_dataset(config, pattern, args.batch)  # noqa: E731
+    plain_data = lambda: plain_keras_dataset(pattern, config, args.batch)  # noqa: E731
+    runs = {  # name -> (dataset maker, steps_per_execution)
+        "synthetic, tfdist defaults": (lambda: sources.train_dataset(config, strategy, None, args.batch, 5), fast_steps),
+        "TFRecords, tfdist defaults": (tfdist_data, fast_steps),
+        "TFRecords, plain Keras defaults": (plain_data, 1),
+        "TFRecords, tfdist pipeline, 1 step/call": (tfdist_data, 1),
+        "TFRecords, plain pipeline, tfdist steps": (plain_data, fast_steps),
     }
     rates = {name: [] for name in runs}
+    input_rates = {"tfdist pipeline": [], "plain pipeline": []}
     for _ in range(args.rounds):
-        for name, run in runs.items():
-            rates[name].append(run().images_per_sec)
-    median = {name: statistics.median(values) for name, values in rates.items()}
+        for name, (make_dataset, steps) in runs.items():
+            rates[name].append(time_fit(name, make_dataset(), config, args.batch, steps).images_per_sec)
+        for name, make_dataset in (("tfdist pipeline", tfdist_data), ("plain pipeline", plain_data)):
+            input_rates[name].append(runner.records_per_sec(make_dataset(), 20, 10 * args.steps))
+    median = {name: statistics.median(values) for name, values in {**rates, **input_rates}.items()}
     print(f"{args.model}, {args.image_size}x{args.image_size}, batch {args.batch}, one device, "
           f"steps_per_execution {fast_steps} for tfdist; medians of {args.rounds} rounds")
-    for name, rate in median.items():
-        print(f"  {name:<34} {rate:8.1f} images/s")
-    print(f"TFRecords / synthetic (tfdist):     {median['TFRecords, tfdist defaults'] / median['synthetic, tfdist defaults']:.3f}"
-          "  (goal >= 0.95)")
-    print(f"tfdist defaults / plain Keras:      {median['TFRecords, tfdist defaults'] / median['TFRecords, plain Keras defaults']:.3f}"
-          "  (goal >= 1.3)")
-
+    for name in rates:
+        print(f"  {name:<42} {median[name]:8.1f} images/s")
+    for name in input_rates:
+        print(f"  input alone, {name:<29} {median[name]:8.1f} records/s")
+    ratios = (("TFRecords / synthetic (tfdist)", "TFRecords, tfdist defaults", "synthetic, tfdist defaults", 0.95),
+              ("tfdist defaults / plain Keras", "TFRecords, tfdist defaults", "TFRecords, plain Keras defaults", 1.3),
+              ("input alone: tfdist / plain", "tfdist pipeline", "plain pipeline", None))
+    for label, top, bottom, goal in ratios:
+        print(f"{label + ':':<32} {median[top] / median[bottom]:.3f}" + (f"  (goal >= {goal})" if goal else ""))
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,6 @@ cluster instead, and the chief writes the report.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -58,8 +57,7 @@ def _bench_locally(config: BenchConfig) -> int:
                           f"(exit {code}); its output is above.", file=sys.stderr)
                     return code
                 with open(out_path) as f:
-                    results.append(RunResult(**{k: tuple(v) if isinstance(v, list) else v
-                                                for k, v in json.load(f).items()}))
+                    results.append(RunResult.from_json(f.read()))
     note = None if gpus or max(config.replicas) == 1 else (
         f"Note: no GPU here, so replicas are logical CPU devices sharing {os.cpu_count()} core(s): this "
         "measures tf.distribute's overhead, not a speedup. Run on GPUs or several machines for scaling.")

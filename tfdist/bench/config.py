@@ -20,8 +20,20 @@ class BenchError(ValueError):
     """Bad benchmark settings; the message names the value and the fix."""
 
 
+class JsonRecord:
+    """A frozen dataclass that travels between processes as JSON (its tuples come back as tuples)."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str):
+        return cls(**{key: tuple(value) if isinstance(value, list) else value
+                      for key, value in json.loads(text).items()})
+
+
 @dataclasses.dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(JsonRecord):
     """Everything one benchmark run needs; JSON-serialisable so worker processes get it whole."""
 
     dataset: str = "tf_flowers"
@@ -43,14 +55,6 @@ class BenchConfig:
     json: str | None = None
     csv: str | None = None
     plot: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "BenchConfig":
-        raw = json.loads(text)
-        return cls(**{**raw, "replicas": tuple(raw["replicas"]), "batch_sizes": tuple(raw["batch_sizes"])})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -18,11 +17,11 @@ import tensorflow as tf
 import tfdist
 from tfdist import precision
 from tfdist.bench import models, sources
-from tfdist.bench.config import BenchConfig
+from tfdist.bench.config import BenchConfig, JsonRecord
 
 
 @dataclasses.dataclass(frozen=True)
-class RunResult:
+class RunResult(JsonRecord):
     """What one run measured; the first epoch (tracing) is kept apart as warm-up."""
 
     replicas: int
@@ -104,14 +103,18 @@ def _device_names(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
 
 
 def input_records_per_sec(config: BenchConfig, pattern: str | None, global_batch: int) -> float:
-    """Records/s of the input pipeline alone, timed with ``Dataset.reduce`` (no Python loop)."""
+    """Records/s of tfdist's input pipeline alone over the shards."""
     if pattern is None:
         raise ValueError("--mode input times a real input pipeline; use --source mock, tfds or tfrecord.")
-    dataset = sources.records_dataset(config, pattern, global_batch)
+    return records_per_sec(sources.records_dataset(config, pattern, global_batch), config.steps_per_epoch,
+                           config.steps_per_epoch * (config.epochs - 1))
+
+
+def records_per_sec(dataset: tf.data.Dataset, warmup_batches: int, batches: int) -> float:
+    """Records/s of a dataset of (images, labels) batches, timed with ``Dataset.reduce`` (no Python loop)."""
     count = lambda n, batch: n + tf.shape(batch[1], out_type=tf.int64)[0]  # noqa: E731
-    dataset.take(config.steps_per_epoch).reduce(tf.constant(0, tf.int64), count)  # warm-up
+    dataset.take(warmup_batches).reduce(tf.constant(0, tf.int64), count)
     start = time.perf_counter()
-    batches = config.steps_per_epoch * (config.epochs - 1)
     records = int(dataset.take(batches).reduce(tf.constant(0, tf.int64), count))
     return records / (time.perf_counter() - start)
 
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices = replicas if tf.config.list_physical_devices("GPU") else None
     result = run(config, tfdist.get_strategy(config.strategy, devices=devices), global_batch, pattern)
     with open(out_path, "w") as f:
-        json.dump(dataclasses.asdict(result), f)
+        f.write(result.to_json())
     return 0
 
 
