@@ -14,7 +14,7 @@ import tensorflow as tf
 import tfdist
 from tests.workers import common
 from tfdist import keras_fixes
-from tfdist.keras_fixes import patching
+from tfdist import patching
 
 
 @pytest.fixture

@@ -44,6 +44,7 @@ _EXPORTS = {
     "allgather": "tfdist.collectives",
     "broadcast": "tfdist.collectives",
     "DistributedOptimizer": "tfdist.optimizer",
+    "Compression": "tfdist.compression",
 }
 # submodules reachable as attributes before their first import (tfdist.callbacks.X)
 _SUBMODULES = ("callbacks", "compression", "data", "horovod", "precision")

@@ -25,7 +25,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
 from tfdist import keras_fixes
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 # Why "auto" picks each policy (printed by `tfdist doctor`).

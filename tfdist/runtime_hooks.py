@@ -15,7 +15,7 @@ build their tf.data pipeline first. Two patches, installed when TensorFlow is im
   "joining"/"joined" for the launcher's start-up watchdog.
 
 And ``tf.distribute.MirroredStrategy()`` in a multi-worker job warns that it trains each
-worker's own copy.
+worker's own copy. ``install`` also applies ``tfdist.tf_fixes`` (tf.distribute's input).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy, multi_w
 from tensorflow.python.eager import context
 
 from tfdist import cluster as cluster_lib
-from tfdist import startup
+from tfdist import startup, tf_fixes
 
 # Where TensorFlow's runtime started ("train.py:8"), if tfdist saw it start.
 runtime_started_at: str | None = None
@@ -46,6 +46,7 @@ _COPYING = ("__deepcopy__", "__copy__", "__newobj__", "__newobj_ex__", "_reconst
 
 def install() -> None:
     """Installs both patches (idempotent). The first is skipped if the runtime already started."""
+    tf_fixes.patch.apply()
     if getattr(_Strategy, "_tfdist_patched", False):
         return
     _Strategy.__new__ = _new_strategy

@@ -11,7 +11,7 @@ Applied when ``tfdist.horovod`` is imported (so only in Horovod scripts):
   ``tf.keras.backend.set_value(opt.lr, x)``); Keras 3 only has ``learning_rate``. ``lr``
   is the TensorFlow variable behind it; assigning ``opt.lr = x`` sets ``learning_rate``.
 
-Each replacement checks the Keras internal it wraps (``tfdist.keras_fixes.patching``).
+Each replacement checks the Keras internal it wraps (``tfdist.patching``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.trainer import Trainer
 
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 patch = Patch(
     "horovod_keras_names", "Keras 3 API removals (Horovod's examples)",

@@ -18,7 +18,7 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 from __future__ import annotations
 
 from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, steps_per_execution
-from tfdist.keras_fixes.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
+from tfdist.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
 
 PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
                               steps_per_execution.auto_patch)

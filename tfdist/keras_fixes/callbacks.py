@@ -37,7 +37,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
 from tfdist import checkpoint, collectives
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 patch = Patch(
     "callbacks", "tensorflow#38635",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 patch = Patch(
     "loss_scale", "LossScaleOptimizer's replica-0 finite check (tfdist UPSTREAM.md)",

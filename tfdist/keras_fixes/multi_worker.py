@@ -9,7 +9,7 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 patch = Patch(
     "multi_worker_fit", "keras#20585 and tensorflow#72388",

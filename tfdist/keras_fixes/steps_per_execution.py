@@ -25,7 +25,7 @@ from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as trainer_module
 from keras.src.utils import python_utils
 
-from tfdist.keras_fixes.patching import Patch
+from tfdist.patching import Patch
 
 patch = Patch(
     "steps_per_execution", "keras#19246",

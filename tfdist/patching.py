@@ -1,4 +1,4 @@
-"""How tfdist patches Keras: check the internal first, replace it, keep the original.
+"""How tfdist patches Keras (and TensorFlow): check the internal first, replace it, keep the original.
 
 A ``Patch`` groups the replacements of one fix (methods, functions or properties: a
 property's getter is what gets replaced). ``apply()`` first checks every internal it
@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import warnings
 from typing import Any, Callable
 
-# The Keras releases tfdist's fixes were checked against (see README, "Versions").
+# The releases tfdist's fixes were checked against (see README, "Versions").
 TESTED_KERAS = "3.8 to 3.15"
+TESTED_TENSORFLOW = "2.21"
 
 
 class KerasCompatibilityWarning(UserWarning):
-    """This Keras lacks an internal a tfdist fix replaces; that fix is off. The message says what breaks."""
+    """This Keras (or TensorFlow) lacks an internal a tfdist fix replaces; that fix is off. The message says what breaks."""
 
 
 @dataclasses.dataclass
@@ -34,11 +36,12 @@ class _Replacement:
 
 @dataclasses.dataclass
 class Patch:
-    """One fix: its name, the upstream issue, and what breaks without it."""
+    """One fix: its name, the upstream issue, and what breaks without it; ``library`` is what it patches."""
 
     name: str
     issue: str
     without: str
+    library: str = "keras"
     replacements: list[_Replacement] = dataclasses.field(default_factory=list)
     applied: bool = False
     problem: str | None = None  # why it could not be applied
@@ -57,12 +60,13 @@ class Patch:
         for replacement in self.replacements:
             self.problem = _check(replacement)
             if self.problem:
-                import keras
-
+                title, tested = {"keras": ("Keras", TESTED_KERAS), "tensorflow": ("TensorFlow", TESTED_TENSORFLOW)}[
+                    self.library]
+                version = importlib.import_module(self.library).__version__
                 warnings.warn(
-                    f"tfdist cannot apply its fix for {self.issue} ({self.name}) to Keras {keras.__version__}: "
-                    f"{self.problem}. Without it, {self.without} tfdist's fixes were checked against Keras "
-                    f"{TESTED_KERAS}; install one of those to have it.", KerasCompatibilityWarning, stacklevel=2)
+                    f"tfdist cannot apply its fix for {self.issue} ({self.name}) to {title} {version}: "
+                    f"{self.problem}. Without it, {self.without} tfdist's fixes were checked against {title} "
+                    f"{tested}; install one of those to have it.", KerasCompatibilityWarning, stacklevel=2)
                 return False
         for replacement in self.replacements:
             original = getattr(replacement.owner, replacement.attribute)
