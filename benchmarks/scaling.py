@@ -18,7 +18,7 @@ round), and, from round 1, each setup's step time beside its floor: the 1-worker
 the engine's all-reduce of the gradients (of the float16 gradients for fp16; a quarter of it
 for accum4), timed alone in the same workers.
 
-    python benchmarks/scaling.py [--rounds 5] [--steps 64] [--pin | --no-pin]
+    python benchmarks/scaling.py [--rounds 5] [--steps 256] [--pin | --no-pin]
 
 ``--pin`` (the default) binds worker i to core i, the issue's setup; ``--no-pin`` lets both
 share both cores.
@@ -49,7 +49,7 @@ GOALS = {"2w defaults": 1.5, "2w fp16": 1.8, "2w accum4": 1.8, "2w accum4+fp16":
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=64, help="timed steps per job (a multiple of 16)")
+    parser.add_argument("--steps", type=int, default=256, help="timed steps per job (a multiple of 16)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="bind worker i to core i (default) or let the workers share all cores")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
