@@ -24,6 +24,7 @@ import subprocess
 from typing import Iterator, Sequence
 
 SUBNET = "10.77.0"
+IP_TIMEOUT = 30  # seconds for one `ip` command: a stuck one fails the test instead of hanging CI
 _PREFIX = "tfdn"  # tfdist netns: tfdn<pid>-<n><a|b> names the namespaces, tfdv<pid>-<n><a|b> the veth ends
 _serial = itertools.count()
 
@@ -53,10 +54,10 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     probe = f"{_PREFIX}{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=IP_TIMEOUT)
     if made.returncode != 0:
         return f"'ip netns add' failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=IP_TIMEOUT)
     return None
 
 
@@ -82,7 +83,7 @@ def hosts(names: Sequence[str] | None = None) -> Iterator[tuple[Host, Host]]:
     finally:
         for host in made:
             _remove(host.namespace)
-        subprocess.run(["ip", "link", "del", made[0].device], capture_output=True)  # if never moved
+        subprocess.run(["ip", "link", "del", made[0].device], capture_output=True, timeout=IP_TIMEOUT)  # if never moved
 
 
 def _write_hosts_file(host: Host, every: Sequence[Host]) -> None:
@@ -94,17 +95,17 @@ def _write_hosts_file(host: Host, every: Sequence[Host]) -> None:
 
 def _remove(namespace: str) -> None:
     """Kills what still runs in ``namespace``, then deletes it (its veth end goes with it) and its hosts file."""
-    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=IP_TIMEOUT).stdout.split()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-    subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=IP_TIMEOUT)
     shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
 
 
 def _remove_stale() -> None:
     """Removes namespaces of earlier test processes that no longer run (killed before they cleaned up)."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT).stdout.split("\n")
     for line in listed:
         name = line.split(" ")[0]
         owner = name[len(_PREFIX):].split("-")[0]
@@ -113,7 +114,7 @@ def _remove_stale() -> None:
 
 
 def _ip(*args: str) -> str:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT)
     if result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout

@@ -64,9 +64,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; received "
                         f"{type(optimizer).__name__}.")
-    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
-        raise ValueError(f"backward_passes_per_step must be an int >= 1; received "
-                         f"backward_passes_per_step={backward_passes_per_step!r}.")
+    check_backward_passes(backward_passes_per_step)
     own = optimizer.gradient_accumulation_steps
     if own and backward_passes_per_step not in (1, own):
         raise ValueError(f"The optimizer already has gradient_accumulation_steps={own}, but "
@@ -84,6 +82,13 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     distributed = _distributed_class(type(optimizer)).from_config(config)
     distributed.compression = compression
     return distributed
+
+
+def check_backward_passes(backward_passes_per_step) -> None:
+    """Raises ValueError unless ``backward_passes_per_step`` is an int >= 1 (shared with tfdist.horovod)."""
+    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
+        raise ValueError(f"backward_passes_per_step must be an int >= 1; received "
+                         f"backward_passes_per_step={backward_passes_per_step!r}.")
 
 
 class _DistributedMixin:

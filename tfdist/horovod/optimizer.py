@@ -152,9 +152,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer; received {type(optimizer).__name__}: "
                         f"{optimizer!r}.")
-    if not (isinstance(backward_passes_per_step, int) and backward_passes_per_step >= 1):
-        raise ValueError(f"backward_passes_per_step must be an int >= 1; received "
-                         f"backward_passes_per_step={backward_passes_per_step!r}.")
+    optimizer_lib.check_backward_passes(backward_passes_per_step)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # reduce in the inner optimizer
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, compression=compression, sparse_as_dense=sparse_as_dense,
