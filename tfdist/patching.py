@@ -3,7 +3,7 @@
 A ``Patch`` groups the replacements of one fix (methods, functions or properties: a
 property's getter is what gets replaced). ``apply()`` first checks every internal it
 replaces (present, with the parameters tfdist was written against); if one is missing or
-changed, it applies none of them and warns once, naming the Keras version, the internal,
+changed, it applies none of them and warns once, naming the library and its version, the internal,
 and what will not work without the fix. Each replacement receives the original as its
 first argument; ``original_of(patched)`` returns it (tests use it to show the bug).
 """
@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Callable
 
 # The releases tfdist's fixes were checked against (see README, "Versions").
-TESTED_KERAS = "3.8 to 3.15"
+TESTED_KERAS = "3.10 to 3.15"
 TESTED_TENSORFLOW = "2.21"
 
 
