@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tfdist
 from tests.workers import common
 from tfdist import keras_fixes
-from tfdist import patching
+from tfdist import patching, strategy as strategy_lib
 
 
 @pytest.fixture
 def mirrored():
-    return tfdist.strategy.make_strategy("mirrored", devices="CPU:[0-1]")
+    return strategy_lib.make_strategy("mirrored", devices="CPU:[0-1]")
 
 
 class Interrupt(keras.callbacks.Callback):
@@ -128,6 +127,7 @@ def test_a_patch_keeps_the_original_reachable():
 def test_mirrored_strategy_in_a_cluster_warns_that_workers_train_apart(monkeypatch):
     from tfdist import runtime_hooks
 
+    tf.config.list_logical_devices()  # the runtime starts here, not under the fake cluster (it would wait for it)
     monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
                                     '"task": {"type": "worker", "index": 1}}')
     with pytest.warns(runtime_hooks.ClusterWarning, match=r"This process is worker 1 of 2 \(tf_config\), but "
