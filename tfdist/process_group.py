@@ -330,19 +330,17 @@ class ProcessGroup:
         return tf.IndexedSlices(values, self.allgather(tensor.indices), dense_shape=tensor.dense_shape)
 
     def _gather(self, tensor: tf.Tensor, device) -> tf.Tensor:
-        wire = fusion.wire_dtype(tensor.dtype)
-        with tf.device(self._device(device)):
-            out = collective_ops.all_gather_v2(tf.cast(tensor, wire), self.size, self._group_key(device),
-                                               self.new_instance_key(), self._hint, self._timeout,
-                                               ordering_token=self._token(device))
-        return tf.cast(out, tensor.dtype)
+        return self._exchange(collective_ops.all_gather_v2, tensor, device)
 
     def _all_to_all(self, tensor: tf.Tensor, device) -> tf.Tensor:
+        return self._exchange(collective_ops.all_to_all_v2, tensor, device)
+
+    def _exchange(self, collective, tensor: tf.Tensor, device) -> tf.Tensor:
+        """``collective`` (all_gather_v2 or all_to_all_v2) of ``tensor``, sent as a dtype TF's collectives carry."""
         wire = fusion.wire_dtype(tensor.dtype)
         with tf.device(self._device(device)):
-            out = collective_ops.all_to_all_v2(tf.cast(tensor, wire), self.size, self._group_key(device),
-                                               self.new_instance_key(), self._hint, self._timeout,
-                                               ordering_token=self._token(device))
+            out = collective(tf.cast(tensor, wire), self.size, self._group_key(device), self.new_instance_key(),
+                             self._hint, self._timeout, ordering_token=self._token(device))
         return tf.cast(out, tensor.dtype)
 
     def _token(self, device) -> tf.Tensor:
