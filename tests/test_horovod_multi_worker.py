@@ -105,6 +105,13 @@ def test_iterations_count_updates(job):
     assert each(job, "accumulated_iterations") == [5, 5]  # 10 micro-batches of 4, 5 updates
 
 
+def test_step_counts_k_does_not_divide_are_the_users(job):
+    """steps_per_execution=4 with DistributedOptimizer runs exactly the steps asked for, as K=1 does."""
+    for rank in (0, 1):
+        counts = job.results[rank]["step_counts"]
+        common.assert_same_steps(counts["1"], counts["4"])
+
+
 def test_loss_scaling_skips_on_every_process_when_one_overflows(job):
     # step 1 applied, step 2 overflowed on rank 1 only: both skipped it and halved the scale
     assert each(job, "loss_scale") == [[16384.0, 1, True]] * 2

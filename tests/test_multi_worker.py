@@ -46,6 +46,16 @@ def test_steps_per_execution_3_matches_one_device_step_by_step(job):
             np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_step_counts_k_does_not_divide_are_the_users(job):
+    """K=4 and tfdist's default K ("auto") run exactly the steps asked for, as K=1 does, on 2 workers."""
+    for rank in (0, 1):
+        counts = job.results[rank]["step_counts"]
+        common.assert_same_steps(counts["1"], counts["4"])
+        common.assert_same_steps(counts["1"], counts["None"])
+    for a, b in zip(job.results[0]["step_counts"]["None"]["weights"], job.results[1]["step_counts"]["None"]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fit_on_numpy_arrays_matches_one_device_with_validation(job):
     """fit(x=ndarray, y=ndarray, batch_size=GLOBAL): each worker trains on its share of each batch."""
     reference = common.train_equivalence_on_arrays()

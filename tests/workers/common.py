@@ -68,3 +68,56 @@ def train_equivalence(strategy=None, steps_per_execution: int = 1) -> list[np.nd
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     model.fit(dataset, epochs=1, shuffle=False, verbose=0)
     return model.get_weights()
+
+
+def step_counts(strategy=None, steps_per_execution=1, wrap_optimizer=lambda optimizer: optimizer) -> dict:
+    """Step counts K does not divide: fit(steps_per_epoch=10, validation_steps=3), evaluate/predict(steps=5),
+    and 2 epochs over 11 batches with no step count. Returns what a user would compare with K=1.
+
+    ``steps_per_execution=None`` leaves it out of ``compile`` (tfdist's default); ``wrap_optimizer``
+    makes e.g. a Horovod DistributedOptimizer.
+    """
+    import keras
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    k = {} if steps_per_execution is None else {"steps_per_execution": steps_per_execution}
+    with strategy.scope():
+        model = equivalence_model()
+        model.compile(optimizer=wrap_optimizer(keras.optimizers.SGD(learning_rate=0.05)), loss="mse",
+                      metrics=["mae"], **k)
+    x, y = regression_data(GLOBAL_BATCH * 11)
+    eleven = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    six = eleven.take(6).repeat()
+    batches: dict[str, list[list[int]]] = {"train": [], "test": []}
+    recorder = keras.callbacks.LambdaCallback(
+        on_epoch_begin=lambda epoch, logs: batches["train"].append([]),
+        on_train_batch_end=lambda batch, logs: batches["train"][-1].append(batch),
+        on_test_begin=lambda logs: batches["test"].append([]),
+        on_test_batch_end=lambda batch, logs: batches["test"][-1].append(batch))
+    history = model.fit(six, epochs=3, steps_per_epoch=10, validation_data=eleven.repeat(), validation_steps=3,
+                        verbose=0, callbacks=[recorder])
+    result = {"fit_iterations": int(model.optimizer.iterations.numpy()), "history": history.history}
+    result["evaluate"] = model.evaluate(eleven.repeat(), steps=5, verbose=0, callbacks=[recorder])
+    result["predict_shape"] = list(model.predict(eleven.repeat(), steps=5, verbose=0).shape)
+    model.fit(eleven, epochs=2, verbose=0, callbacks=[recorder])
+    result["iterations"] = int(model.optimizer.iterations.numpy())
+    result["batches"] = batches
+    result["weights"] = [w.tolist() for w in model.get_weights()]
+    return result
+
+
+def assert_same_steps(one: dict, k: dict) -> None:
+    """What a user compares between a K=1 run and a K-steps-per-call run of ``step_counts``."""
+    assert k["fit_iterations"] == one["fit_iterations"] == 3 * 10  # not 3 * ceil(10/K) * K
+    assert k["iterations"] == one["iterations"] == 30 + 2 * 11
+    assert k["predict_shape"] == one["predict_shape"] == [5 * GLOBAL_BATCH, 1]
+    for key in one["history"]:
+        np.testing.assert_allclose(k["history"][key], one["history"][key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(k["evaluate"], one["evaluate"], rtol=1e-5)
+    for a, b in zip(k["weights"], one["weights"]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    for kind in ("train", "test"):  # callbacks see every K-th batch and the true last one, never past it
+        assert len(k["batches"][kind]) == len(one["batches"][kind])
+        for seen, every in zip(k["batches"][kind], one["batches"][kind]):
+            assert set(seen) <= set(every) and seen[-1] == every[-1], (kind, seen, every)

@@ -21,6 +21,7 @@ payload = {
     "equivalence_weights": [w.tolist() for w in common.train_equivalence(strategy)],
     "arrays": common.train_equivalence_on_arrays(strategy),
     "steps_per_execution_3": [w.tolist() for w in common.train_equivalence(strategy, steps_per_execution=3)],
+    "step_counts": {str(k): common.step_counts(strategy, k) for k in (1, 4, None)},
 }
 
 x, y = common.regression_data(256)

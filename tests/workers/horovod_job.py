@@ -159,4 +159,8 @@ try:
 except ValueError as err:
     payload["mismatch"] = [type(err).__name__, str(err), time.perf_counter() - start]
 payload["after_mismatch"] = plain(hvd.allreduce(tf.constant(1.0), op=hvd.Sum))
+
+# Step counts K does not divide, with DistributedOptimizer ----------------------------------------
+payload["step_counts"] = {str(k): common.step_counts(steps_per_execution=k, wrap_optimizer=hvd.DistributedOptimizer)
+                          for k in (1, 4)}
 common.write_result(out_dir, payload)

@@ -12,7 +12,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``callbacks``: Keras' checkpoint, logging and early-stopping callbacks on several
   workers (tensorflow#38635).
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
-  (keras#19246), and ``"auto"``: tfdist picks K.
+  (keras#19246); the last call of an epoch runs only the steps left (Keras runs K);
+  and ``"auto"``: tfdist picks K.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, steps_per_ex
 from tfdist.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
 
 PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
-                              steps_per_execution.auto_patch)
+                              steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch)
 
 __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", "original_of"]
 

@@ -10,6 +10,12 @@ across replicas once per call (Keras returns only the last step's), which under 
 multi-worker strategy saves a collective per step. Every other case (K=1, eager, XLA,
 Python iterators) stays with Keras.
 
+``exact_steps_patch``: Keras 3.15 runs every call for K whole steps, so an epoch of S steps
+trains ceil(S/K)*K (``fit(steps_per_epoch=70)`` at K=16 trains 80 a epoch, and
+``predict(steps=70)`` returns 80 batches). The epoch iterator now hands the last call of an
+epoch a ``PartialExecution`` of the steps left, which the function above runs as a shorter
+loop (and Keras' own per-batch path runs batch by batch), and reports its true last batch.
+
 ``auto_patch``: ``compile(steps_per_execution="auto")``, and any model compiled under a
 strategy tfdist built without a ``steps_per_execution`` of its own, runs ``AUTO_STEPS``
 steps per call in ``fit``, or 1 when a callback needs to see every batch.
@@ -23,6 +29,7 @@ import tensorflow as tf
 from keras.src import callbacks as callbacks_module
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as trainer_module
+from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import python_utils
 
 from tfdist.patching import Patch
@@ -48,9 +55,9 @@ def _steps_traced_inline(original, self, step_function):
         replicated_step = self._autoconvert_optionals(replicated_step)
 
     @tf.function(reduce_retracing=True)
-    def multi_step(iterator):
+    def multi_step(iterator, steps_this_call):
         outputs = replicated_step(iterator.get_next())  # OutOfRangeError at the end: Keras ends the epoch
-        for _ in tf.range(steps - 1):
+        for _ in tf.range(steps_this_call - 1):
             optional = iterator.get_next_as_optional()
             if not optional.has_value():
                 break
@@ -59,11 +66,56 @@ def _steps_traced_inline(original, self, step_function):
         return keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
 
     def function(iterator):
+        if isinstance(iterator, PartialExecution):
+            return multi_step(iterator.iterator, tf.constant(iterator.steps))
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            return multi_step(iterator)
+            return multi_step(iterator, tf.constant(steps))
         return keras_function(iterator)
 
     return function
+
+
+# The last call of an epoch runs only the steps left ---------------------------------------------------
+
+exact_steps_patch = Patch(
+    "exact_steps_per_execution", "Keras 3.15: steps_per_execution trains past steps_per_epoch",
+    without="with steps_per_execution=K, every epoch whose step count K does not divide trains (and predict "
+            "returns) up to K-1 extra steps, and callbacks see batch numbers past the epoch's end.")
+
+
+class PartialExecution:
+    """The last call of an epoch: its iterator and how many steps are left (fewer than K).
+
+    Iterating it yields at most ``steps`` batches, so Keras' per-batch paths (``predict``,
+    eager or XLA functions) stop where the epoch does.
+    """
+
+    def __init__(self, iterator, steps: int):
+        self.iterator, self.steps = iterator, steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.steps <= 0:
+            raise StopIteration
+        self.steps -= 1
+        return next(self.iterator)
+
+
+@exact_steps_patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
+def _last_call_runs_the_steps_left(original, self):
+    for item in original(self):  # (begin, end, iterator) since Keras 3.11; (begin, iterator) before
+        steps_in_epoch = self.steps_per_epoch or self._num_batches
+        begin, iterator = item[0], item[-1]
+        if not steps_in_epoch or begin + self.steps_per_execution <= steps_in_epoch:
+            yield item
+            continue
+        left = steps_in_epoch - begin
+        if hasattr(self, "_steps_seen"):  # Keras counted a whole call: count what will really run
+            self._steps_seen -= self.steps_per_execution - left
+        partial = PartialExecution(iterator, left)
+        yield (begin, steps_in_epoch - 1, partial) if len(item) == 3 else (begin, partial)
 
 
 # steps_per_execution="auto" ------------------------------------------------------------------------
