@@ -20,6 +20,15 @@ def pytest_configure(config):
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
 
 
+@pytest.fixture(scope="session")
+def no_gpu_here():
+    """Skips a test whose expectations hold only where TensorFlow sees no GPU (the suite runs on GPU hosts too)."""
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("expects a machine without GPUs: this one has GPUs, so its devices and defaults differ")
+
+
 @pytest.fixture
 def fresh_tfdist_strategy(monkeypatch):
     """Lets a test build tfdist's once-per-process strategy anew; restores the old one after."""

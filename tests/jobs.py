@@ -29,7 +29,10 @@ class JobResult:
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a job: this checkout first on PYTHONPATH, quiet TensorFlow logs."""
+    """The environment for a job: the test tree first on PYTHONPATH (for ``tests.*``), quiet TensorFlow logs.
+
+    Under ``bash tests/run.sh`` that tree holds no tfdist sources: workers import the installed package.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -26,7 +26,7 @@ def bench(*args, launcher=()):
 
 
 @pytest.fixture(scope="module")
-def mock_run(tmp_path_factory):
+def mock_run(tmp_path_factory, no_gpu_here):  # replicas 1,2 are logical CPUs here; one GPU would refuse 2
     out = tmp_path_factory.mktemp("bench")
     stdout = bench("--source", "mock", "--replicas", "1,2", "--cache-dir", str(out / "cache"),
                    "--json", str(out / "r.json"), "--csv", str(out / "r.csv"), "--plot", str(out / "r.png"))

@@ -9,7 +9,7 @@ from tfdist.doctor import diagnose
 from tests.jobs import job_env
 
 
-def test_doctor_runs_with_no_gpu_and_no_cluster():
+def test_doctor_runs_with_no_gpu_and_no_cluster(no_gpu_here):
     result = subprocess.run([sys.executable, "-m", "tfdist.cli", "doctor"], env=job_env({"TF_CONFIG": ""}),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

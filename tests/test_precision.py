@@ -36,7 +36,7 @@ def test_auto_policy_follows_compute_capability(capabilities, expected):
     assert precision.auto_policy(capabilities) == expected
 
 
-def test_auto_on_this_cpu_machine_is_float32():
+def test_auto_on_this_cpu_machine_is_float32(no_gpu_here):
     assert precision.auto_policy() == "float32"
     assert precision.set_policy("auto") == "float32"
 

@@ -38,7 +38,7 @@ def test_device_specs(spec, expected):
     ("all the gpus", r"Cannot read devices='all the gpus': use a pattern like 'GPU:\*'"),
     (3.5, r"Cannot read devices=3.5: pass None, an int, a list of names"),
 ])
-def test_bad_device_specs_name_the_visible_devices(spec, message):
+def test_bad_device_specs_name_the_visible_devices(spec, message, no_gpu_here):
     with pytest.raises(StrategyError, match=message):
         resolve_devices(spec)
 

@@ -10,6 +10,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from tfdist.extras import MissingExtraError
+
 _SUBCOMMANDS = {
     "run": ("tfdist.run", "start the workers of a multi-worker job: this machine, several nodes, or Ray"),
     "bench": ("tfdist.bench.cli", "time 1 vs N replicas on a tensorflow-datasets dataset"),
@@ -30,7 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     module = importlib.import_module(_SUBCOMMANDS[name][0])
-    return module.main(rest)
+    try:
+        return module.main(rest)
+    except MissingExtraError as err:
+        print(f"tfdist {name}: {err}", file=sys.stderr)
+        return 2
 
 
 def _usage() -> str:

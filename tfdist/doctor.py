@@ -1,6 +1,8 @@
 """``tfdist doctor``: what a user needs to see when distribution misbehaves.
 
-Prints versions, devices, the cluster as tfdist reads it, whether each peer's port
+Prints where tfdist is installed (and whether the workers' start-up hook is there),
+versions (Keras and TensorFlow inside the tested range, every Keras fix applied), the
+optional extras, devices, the cluster as tfdist reads it, whether each peer's port
 answers, NCCL, and the precision "auto" would pick. Exits 1 when it finds a problem,
 saying what to fix; works with no GPU and no cluster (it says so). Warns, without
 failing, when a one-machine job's worker ports also answer on this machine's other
@@ -13,6 +15,9 @@ import argparse
 import array
 import dataclasses
 import fcntl
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import ipaddress
 import os
 import socket
@@ -20,7 +25,7 @@ import struct
 import sys
 from typing import Mapping, Sequence
 
-from tfdist import cluster as cluster_lib
+from tfdist import cluster as cluster_lib, extras
 
 
 @dataclasses.dataclass
@@ -159,11 +164,66 @@ def check_tensorflow(report: Report) -> None:
         report.info("nccl", "not used: NCCL needs NVIDIA GPUs; collectives use gRPC ring all-reduce")
 
 
+def check_install(report: Report) -> None:
+    """Where tfdist is installed, the workers' start-up hook, and the optional extras."""
+    import tfdist
+    from tfdist.launch import local
+
+    where = os.path.dirname(os.path.abspath(tfdist.__file__))
+    report.info("tfdist", f"{_installed_version(where)} at {where}")
+    problem = local.missing_site_hook()
+    if problem:
+        report.problem("install", problem)
+    elif importlib.machinery.PathFinder.find_spec("sitecustomize", [local.SITE_DIR]) is None:
+        report.problem("install", f"{local.SITE_HOOK} cannot be imported: reinstall tfdist "
+                       "(pip install --force-reinstall tfdist).")
+    for module, (package, extra) in extras.EXTRAS.items():
+        if extra is None:
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                report.problem("install", extras.missing_message(module, "tfdist bench and convert", err))
+        else:
+            found = importlib.util.find_spec(module) is not None
+            report.info(f"[{extra}]", f"{package} installed" if found else
+                        f'{package} not installed (optional: pip install "tfdist[{extra}]")')
+
+
+def check_versions(report: Report) -> None:
+    """Keras and TensorFlow inside the tested range; every Keras fix applied."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist import keras_fixes, patching
+
+    for library, version in (("keras", keras.__version__), ("tensorflow", tf.__version__)):
+        if not patching.is_tested(library, version):
+            report.warning(library, f"{version} is outside the releases tfdist was tested with "
+                           f"({patching.tested_range(library)}); if training misbehaves, install one of those.")
+    keras_fixes.apply_all()
+    for patch in keras_fixes.PATCHES:
+        if not patch.applied:
+            report.problem("keras fix", f"tfdist's fix {patch.name} ({patch.issue}) is off: {patch.problem}. "
+                           f"Install Keras {patching.TESTED_KERAS}: pip install \"keras>={patching.TESTED_KERAS.split()[0]},"
+                           f"<={patching.TESTED_KERAS.split()[-1]}.99\"")
+
+
+def _installed_version(where: str) -> str:
+    try:
+        distribution = importlib.metadata.distribution("tfdist")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: imported from a source tree)"
+    installed = os.path.abspath(str(distribution.locate_file("tfdist")))
+    return distribution.version + ("" if installed == where else " (editable install, or a source tree first on sys.path)")
+
+
 def diagnose(env: Mapping[str, str], port_timeout: float = 2.0, with_tensorflow: bool = True) -> Report:
     """Runs every check and returns the report."""
     report = Report()
+    check_install(report)
     if with_tensorflow:
         check_tensorflow(report)
+        check_versions(report)
     check_cluster(report, env, port_timeout)
     return report
 

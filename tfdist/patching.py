@@ -17,9 +17,25 @@ import inspect
 import warnings
 from typing import Any, Callable
 
-# The releases tfdist's fixes were checked against (see README, "Versions").
-TESTED_KERAS = "3.10 to 3.15"
-TESTED_TENSORFLOW = "2.21"
+# The releases tfdist's fixes were checked against, as (oldest, newest) (major, minor) (see README, "Versions").
+TESTED_RANGES = {"keras": ((3, 10), (3, 15)), "tensorflow": ((2, 21), (2, 21))}
+
+
+def tested_range(library: str) -> str:
+    """'3.10 to 3.15' (or '2.21'): the tested releases of ``library``, for messages."""
+    oldest, newest = (".".join(map(str, version)) for version in TESTED_RANGES[library])
+    return oldest if oldest == newest else f"{oldest} to {newest}"
+
+
+def is_tested(library: str, version: str) -> bool:
+    """Whether ``version`` (e.g. '3.15.1') is inside the tested range of ``library``."""
+    major_minor = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    oldest, newest = TESTED_RANGES[library]
+    return oldest <= major_minor <= newest
+
+
+TESTED_KERAS = tested_range("keras")
+TESTED_TENSORFLOW = tested_range("tensorflow")
 
 
 class KerasCompatibilityWarning(UserWarning):

@@ -109,6 +109,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise LaunchError(f"--timeout must be positive seconds: received {args.timeout}.")
     if args.start_timeout <= 0:
         raise LaunchError(f"--start-timeout must be positive seconds: received {args.start_timeout}.")
+    if not args.no_fixes and local.missing_site_hook():
+        raise LaunchError(local.missing_site_hook())
     if args.horovod and args.no_fixes:
         raise LaunchError("--horovod works through tfdist's start-up hook, which --no-fixes turns off; "
                           "drop one of them.")

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-from tfdist import cluster
+from tfdist import cluster, extras
 from tfdist.launch import local as launcher
 from tfdist.bench.config import BenchConfig, BenchError, parse_config
 from tfdist.data.records import DataError
@@ -21,6 +21,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tfdist bench``; returns the exit code."""
     try:
         config = parse_config(list(sys.argv[1:] if argv is None else argv))
+        if config.plot:
+            extras.require("matplotlib", "tfdist bench --plot")  # before the runs, not after
         if cluster.cluster_from_env().is_multi_worker or config.strategy == "multi_worker":
             return _bench_on_cluster(config)
         return _bench_locally(config)

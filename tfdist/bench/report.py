@@ -9,6 +9,7 @@ import os
 import platform
 from typing import Sequence
 
+from tfdist import extras
 from tfdist.bench import profile
 from tfdist.bench.config import BenchConfig
 from tfdist.bench.runner import RunResult
@@ -93,8 +94,7 @@ def write_plot(path: str, rows: Sequence[dict]) -> None:
     """A PNG with two views: images/s against replicas beside ideal linear scaling (each point
     labelled with its efficiency), and seconds per epoch against replicas (the TensorFlow
     guide's view). Both y axes start at 0. One line per global batch."""
-    import matplotlib
-
+    matplotlib = extras.require("matplotlib", "tfdist bench --plot")
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 

@@ -13,7 +13,7 @@ import os
 
 import tensorflow as tf
 
-from tfdist import data
+from tfdist import data, extras
 from tfdist.bench.config import BenchConfig, BenchError
 
 _COMPLETE = "complete.json"
@@ -25,8 +25,7 @@ def num_classes(dataset: str) -> int:
     Raises:
         BenchError: not a tensorflow-datasets name, or not an image classification dataset.
     """
-    import tensorflow_datasets as tfds
-
+    tfds = extras.require("tensorflow_datasets", "tfdist bench")
     try:
         features = tfds.builder(dataset).info.features
     except tfds.core.registered.DatasetNotFoundError:

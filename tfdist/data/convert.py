@@ -17,6 +17,7 @@ import re
 import sys
 from typing import Sequence
 
+from tfdist import extras
 from tfdist.data.records import IMAGE_FORMATS, DataError
 from tfdist.data.writer import WriteResult, write_tfrecords
 
@@ -53,11 +54,7 @@ def convert(dataset: str, split: str, out_dir: str, *, num_shards: int = 16, sou
     """
     if source not in SOURCES:
         raise ConvertError(f"Unknown source={source!r}; choose one of {list(SOURCES)}.")
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError:
-        raise ConvertError("tfdist convert needs tensorflow-datasets (and importlib_resources): "
-                           "pip install 'tfdist[bench]'.") from None
+    tfds = extras.require("tensorflow_datasets", "tfdist convert")
 
     prefix = prefix or re.sub(r"[^A-Za-z0-9_.-]+", "_", split).strip("_") or "data"
     mock = (tfds.testing.mock_data(num_examples=num_examples, policy=tfds.testing.MockPolicy.USE_CODE)

@@ -36,6 +36,16 @@ DEFAULT_START_TIMEOUT = 300.0
 EXIT_INTERRUPTED = 130
 # The folder whose sitecustomize.py arms tfdist.startup in every worker (see site/).
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+SITE_HOOK = os.path.join(SITE_DIR, "sitecustomize.py")
+
+
+def missing_site_hook() -> str | None:
+    """What is wrong when this install lacks the workers' start-up hook (a wheel built without it), else None."""
+    if os.path.isfile(SITE_HOOK):
+        return None
+    return (f"this tfdist install lacks its worker start-up hook {SITE_HOOK}, so tfdist run's workers would get no "
+            "Keras fixes (keras#20585 and the rest). Reinstall tfdist: pip install --force-reinstall tfdist (or "
+            "pass --no-fixes to run the command without them).")
 _TFDIST_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PORT_CLASH = b"address already in use"
 _PORT_CLASH_RETRIES = 3

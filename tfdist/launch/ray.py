@@ -29,7 +29,7 @@ import tempfile
 import threading
 from typing import IO, Sequence
 
-from tfdist import cluster
+from tfdist import cluster, extras
 from tfdist.launch import local, output
 
 EXIT_NO_RAY = 2
@@ -210,9 +210,9 @@ def launch(command: Sequence[str], *, address: str | None, num_workers: int,
     """Runs the job on Ray (the cluster at ``address``, or Ray's default); returns the exit code."""
     out = out or sys.stdout.buffer
     try:
-        import ray
-    except ImportError:
-        output.say(out, "--ray needs Ray, which is not installed here: pip install \"tfdist[ray]\"")
+        ray = extras.require("ray", "tfdist run --ray")
+    except extras.MissingExtraError as err:
+        output.say(out, str(err))
         return EXIT_NO_RAY
     try:
         _check_reachable(address)

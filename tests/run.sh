@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): tests what users install, not the checkout.
+#
+# Builds tfdist's sdist and wheel, installs the wheel (not editable) with its test extras into
+# the current Python, copies the test tree without tfdist's sources to a temporary folder, and
+# runs pytest there, so every test and every worker it starts imports the installed package.
+# Arguments go to pytest: bash tests/run.sh -k doctor
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"
+trap 'rm -rf "$STAGE"' EXIT
+
+python -m build --sdist --wheel --outdir "$STAGE/dist" "$ROOT" >"$STAGE/build.log" 2>&1 \
+  || { cat "$STAGE/build.log"; echo "tests/run.sh: building the sdist and wheel failed (log above)" >&2; exit 1; }
+WHEEL="$(ls "$STAGE"/dist/tfdist-*.whl)"
+python -m pip install --quiet --force-reinstall --no-deps "$WHEEL"
+python -m pip install --quiet "$WHEEL[test]"
+
+mkdir "$STAGE/tree"
+tar -C "$ROOT" --exclude=./tfdist --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist \
+    --exclude='*.egg-info' --exclude=__pycache__ --exclude=.pytest_cache -cf - . | tar -C "$STAGE/tree" -xf -
+cd "$STAGE/tree"
+# What tests/test_install.py checks the installed package against.
+export TFDIST_SOURCE="$ROOT" TFDIST_DIST_DIR="$STAGE/dist"
+python -m pytest -q -p no:cacheprovider "$@"
