@@ -32,9 +32,9 @@ def no_gpu_here():
 @pytest.fixture
 def fresh_tfdist_strategy(monkeypatch):
     """Lets a test build tfdist's once-per-process strategy anew; restores the old one after."""
-    from tfdist import strategy
+    from tfdist import state
 
-    monkeypatch.setattr(strategy, "_built", None)
+    monkeypatch.setattr(state, "built", None)
     yield
 
 
@@ -59,5 +59,9 @@ def distinct_collective_keys():
     """
     import tensorflow as tf
 
-    tf.distribute.MirroredStrategy._collective_key_base += 100000
+    def bump():
+        tf.distribute.MirroredStrategy._collective_key_base += 100000
+
+    bump()
     yield
+    bump()  # after too: a module-scoped strategy is built before the next test's bump

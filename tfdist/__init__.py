@@ -53,8 +53,23 @@ _SUBMODULES = ("callbacks", "compression", "data", "horovod", "precision")
 __all__ = sorted(set(_EXPORTS) - {"print"}) + ["__version__"]
 
 
+def _apply_keras_fixes() -> None:
+    from keras import backend
+
+    if backend.backend() == "tensorflow":
+        from tfdist import keras_fixes
+
+        keras_fixes.apply_all()
+
+
+def _install_runtime_hooks() -> None:
+    from tfdist import runtime_hooks
+
+    runtime_hooks.install()
+
+
 _startup.record_import_site()
-_startup.arm()
+_startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks})
 
 
 def __getattr__(name: str):

@@ -25,9 +25,8 @@ from typing import Callable, Union
 import keras
 import numpy as np
 
-from tfdist import collectives, keras_fixes, topology
+from tfdist import collectives, topology
 
-keras_fixes.apply_all()
 ModelCheckpoint = keras.callbacks.ModelCheckpoint
 BackupAndRestore = keras.callbacks.BackupAndRestore
 

@@ -19,6 +19,8 @@ import os
 import re
 from typing import Mapping, Sequence
 
+from tfdist.errors import ClusterConfigError
+
 # Variables ``tfdist run`` sets for each worker, besides TF_CONFIG.
 ENV_WORKER_INDEX = "TFDIST_WORKER_INDEX"
 ENV_NUM_WORKERS = "TFDIST_NUM_WORKERS"
@@ -46,10 +48,6 @@ _EXAMPLE_TF_CONFIG = (
     '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
     '"task": {"type": "worker", "index": 0}}'
 )
-
-
-class ClusterConfigError(ValueError):
-    """The environment describes a cluster that tfdist cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,17 +19,35 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfdist import process_group
+from tfdist import cluster as cluster_lib
+from tfdist import process_group, state
+from tfdist import strategy as strategy_lib
+from tfdist.process_group import ProcessGroup, num_workers, worker_rank  # noqa: F401  (re-exported)
 
 REDUCE_OPS = ("mean", "sum")
+_groups: dict[int, ProcessGroup] = {}
 
 
-def __getattr__(name: str):
-    # num_workers(strategy) and worker_rank(strategy) live in process_group; read at call
-    # time, since process_group may still be importing when this module is (PEP 562).
-    if name in ("num_workers", "worker_rank"):
-        return getattr(process_group, name)
-    raise AttributeError(f"module 'tfdist.collectives' has no attribute {name!r}")
+def job_group(strategy: tf.distribute.Strategy | None = None) -> ProcessGroup:
+    """The group of every worker process of the job (or of ``strategy``'s workers).
+
+    In a multi-worker job with no strategy yet, builds the job's MultiWorkerMirroredStrategy
+    (which sets up the collective runtime); ``tfdist.strategy.StrategyError`` says why
+    when TensorFlow already started without it.
+    """
+    if strategy is None:
+        strategy = state.current_strategy()
+        if strategy is None and cluster_lib.cluster_from_env().is_multi_worker:
+            strategy = strategy_lib.get_strategy()
+        strategy = strategy or tf.distribute.get_strategy()
+    workers = num_workers(strategy)
+    key = id(strategy) if workers > 1 else 0
+    if key not in _groups:
+        options = getattr(strategy.extended, "_communication_options", None) if workers > 1 else None
+        timeout = getattr(options, "timeout_seconds", None)
+        hint = options.implementation.value if options is not None else "auto"
+        _groups[key] = ProcessGroup(range(workers), worker_rank(strategy), timeout, hint)
+    return _groups[key]
 
 
 def allreduce(value: Any, op: str = "mean", strategy: tf.distribute.Strategy | None = None) -> Any:
@@ -48,7 +66,7 @@ def allreduce(value: Any, op: str = "mean", strategy: tf.distribute.Strategy | N
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"allreduce op must be one of {REDUCE_OPS}; received op={op!r}.")
-    group = process_group.job_group(strategy)
+    group = job_group(strategy)
     array, kind = _to_array(value)
     total = group.allreduce(_wire(array), op="sum", device="CPU").numpy()
     if op == "sum":
@@ -71,7 +89,7 @@ def broadcast(value: Any, root_rank: int = 0, strategy: tf.distribute.Strategy |
 def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
                      strategy: tf.distribute.Strategy | None = None) -> list[np.ndarray]:
     """Broadcasts several arrays from ``root_rank`` in one collective; dtypes are kept."""
-    group = process_group.job_group(strategy)
+    group = job_group(strategy)
     _check_root(group, root_rank)
     arrays = [np.asarray(a) for a in arrays]
     results = group.grouped_broadcast([tf.constant(a) for a in arrays], root_rank, device="CPU")
@@ -86,13 +104,13 @@ def allgather(value: Any, strategy: tf.distribute.Strategy | None = None) -> Any
     ``[0, 1, ...]``.
     """
     array, kind = _to_array(value)
-    result = process_group.job_group(strategy).allgather(_wire(array), device="CPU").numpy()
+    result = job_group(strategy).allgather(_wire(array), device="CPU").numpy()
     return _from_array(result.astype(array.dtype), kind)
 
 
 def barrier(strategy: tf.distribute.Strategy | None = None) -> None:
     """Returns once every worker has called it."""
-    process_group.job_group(strategy).barrier()
+    job_group(strategy).barrier()
 
 
 def _check_root(group: process_group.ProcessGroup, root_rank: int) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from tfdist.errors import MissingExtraError
+
 # Top-level module -> (the pip package, the tfdist extra that installs it; None: a core requirement).
 EXTRAS: dict[str, tuple[str, str | None]] = {
     "tensorflow_datasets": ("tensorflow-datasets", None),
@@ -16,10 +18,6 @@ EXTRAS: dict[str, tuple[str, str | None]] = {
     "ray": ("ray[train]", "ray"),
     "mpi4py": ("mpi4py", "mpi"),
 }
-
-
-class MissingExtraError(ImportError):
-    """An optional dependency cannot be imported; the message names the command that installs it."""
 
 
 def require(module: str, purpose: str) -> ModuleType:

@@ -29,8 +29,22 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
+from tfdist.errors import KerasCompatibilityError
+from tfdist import patching
+from tfdist.patching import Patch
+
+# The Keras methods _DistributedMixin overrides: if Keras stopped calling them, gradients would
+# silently not be reduced or accumulated, so a changed signature refuses to build the optimizer.
+keras_internals = Patch(
+    "distributed_optimizer", "keras#20582",
+    without="tfdist.DistributedOptimizer would neither all-reduce nor accumulate gradients as documented.")
+keras_internals.overrides(BaseOptimizer, "_backend_apply_gradients", ("self", "grads", "trainable_variables"))
+keras_internals.overrides(TFOptimizer, "_all_reduce_sum_gradients", ("self", "grads_and_vars"))
 
 _classes: dict[tuple[type, type], type] = {}
 
@@ -95,6 +109,7 @@ class _DistributedMixin:
     """Overrides the one Keras method whose ``cond`` breaks under tf.distribute."""
 
     tfdist_distributed = True
+    keras_internals = keras_internals
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -169,6 +184,10 @@ def _distributed_class(base: type, mixin: type = _DistributedMixin) -> type:
 
     ``tfdist.horovod`` passes its own mixin (gradients averaged across processes).
     """
+    if not mixin.keras_internals.apply():
+        raise KerasCompatibilityError(
+            f"{mixin.__name__} overrides Keras internals that this Keras changed: {mixin.keras_internals.problem}. "
+            f"Without them, {mixin.keras_internals.without} Install Keras {patching.TESTED_KERAS}.")
     if (mixin, base) not in _classes:
         _classes[mixin, base] = type(base.__name__, (mixin, base),
                                      {"__module__": base.__module__, "__qualname__": base.__qualname__})

@@ -1,7 +1,9 @@
 """How tfdist patches Keras (and TensorFlow): check the internal first, replace it, keep the original.
 
 A ``Patch`` groups the replacements of one fix (methods, functions or properties: a
-property's getter is what gets replaced). ``apply()`` first checks every internal it
+property's getter is what gets replaced), the attributes it adds (``adds``: the library
+must not have them), and the private methods a tfdist subclass overrides (``overrides``:
+checked, not replaced; the subclass asks ``apply()`` before it relies on them). ``apply()`` first checks every internal it
 replaces (present, with the parameters tfdist was written against); if one is missing or
 changed, it applies none of them and warns once, naming the library and its version, the internal,
 and what will not work without the fix. Each replacement receives the original as its
@@ -16,6 +18,8 @@ import importlib
 import inspect
 import warnings
 from typing import Any, Callable
+
+from tfdist.errors import KerasCompatibilityWarning
 
 # The releases tfdist's fixes were checked against, as (oldest, newest) (major, minor) (see README, "Versions").
 TESTED_RANGES = {"keras": ((3, 10), (3, 15)), "tensorflow": ((2, 21), (2, 21))}
@@ -38,16 +42,14 @@ TESTED_KERAS = tested_range("keras")
 TESTED_TENSORFLOW = tested_range("tensorflow")
 
 
-class KerasCompatibilityWarning(UserWarning):
-    """This Keras (or TensorFlow) lacks an internal a tfdist fix replaces; that fix is off. The message says what breaks."""
-
-
 @dataclasses.dataclass
 class _Replacement:
     owner: Any
     attribute: str
-    parameters: tuple[str, ...]
-    function: Callable
+    parameters: tuple[str, ...] | None  # None: the attribute must not exist yet (``adds``)
+    function: Callable | None           # None: only checked, a subclass of tfdist's overrides it (``overrides``)
+    value: Any = None                   # what ``adds`` sets
+    calls: int = 0                      # times the replacement ran (canary tests read it)
 
 
 @dataclasses.dataclass
@@ -69,6 +71,14 @@ class Patch:
             return function
         return register
 
+    def overrides(self, owner: Any, attribute: str, parameters: tuple[str, ...]) -> None:
+        """Declares that a tfdist subclass overrides ``owner.attribute``: checked like a replacement, not replaced."""
+        self.replacements.append(_Replacement(owner, attribute, parameters, None))
+
+    def adds(self, owner: Any, attribute: str, value: Any) -> None:
+        """Sets ``owner.attribute = value``, checking first that the library has no such attribute."""
+        self.replacements.append(_Replacement(owner, attribute, None, None, value))
+
     def apply(self) -> bool:
         """Applies every replacement, or none (with a warning); idempotent. Returns whether applied."""
         if self.applied or self.problem:
@@ -85,15 +95,36 @@ class Patch:
                     f"{tested}; install one of those to have it.", KerasCompatibilityWarning, stacklevel=2)
                 return False
         for replacement in self.replacements:
+            if replacement.function is None:
+                if replacement.parameters is None:
+                    setattr(replacement.owner, replacement.attribute, replacement.value)
+                continue
             original = getattr(replacement.owner, replacement.attribute)
             if isinstance(original, property):
-                patched = property(_wrap(original.fget, replacement.function), original.fset, original.fdel,
-                                   original.__doc__)
+                patched = property(_wrap(original.fget, replacement), original.fset, original.fdel, original.__doc__)
             else:
-                patched = _wrap(original, replacement.function)
+                patched = _wrap(original, replacement)
             setattr(replacement.owner, replacement.attribute, patched)
         self.applied = True
         return True
+
+
+    def restore(self) -> None:
+        """Puts the originals back, for a patch needed only until something happened (idempotent)."""
+        if not self.applied:
+            return
+        for replacement in reversed(self.replacements):
+            if replacement.function is None:
+                if replacement.parameters is None:
+                    delattr(replacement.owner, replacement.attribute)
+                continue
+            current = getattr(replacement.owner, replacement.attribute)
+            if isinstance(current, property):
+                setattr(replacement.owner, replacement.attribute, property(
+                    original_of(current.fget), current.fset, current.fdel, current.__doc__))
+            else:
+                setattr(replacement.owner, replacement.attribute, original_of(current))
+        self.applied = False
 
 
 def original_of(patched: Callable) -> Callable:
@@ -104,6 +135,8 @@ def original_of(patched: Callable) -> Callable:
 def _check(replacement: _Replacement) -> str | None:
     name = f"{getattr(replacement.owner, '__qualname__', None) or replacement.owner.__name__}.{replacement.attribute}"
     current = getattr(replacement.owner, replacement.attribute, None)
+    if replacement.parameters is None:
+        return None if current is None else f"{name} already exists"
     if current is None:
         return f"{name} does not exist"
     if isinstance(current, property):
@@ -118,9 +151,12 @@ def _check(replacement: _Replacement) -> str | None:
     return None
 
 
-def _wrap(original: Callable, function: Callable) -> Callable:
+def _wrap(original: Callable, replacement: _Replacement) -> Callable:
+    function = replacement.function
+
     @functools.wraps(original)
     def patched(*args, **kwargs):
+        replacement.calls += 1
         return function(original, *args, **kwargs)
 
     patched.__tfdist_original__ = original

@@ -16,16 +16,13 @@ For custom training loops, ``wrap_optimizer`` and ``make_train_step``.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
-from tfdist import keras_fixes
-from tfdist.patching import Patch
+from tfdist.errors import PrecisionError, PrecisionWarning
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 # Why "auto" picks each policy (printed by `tfdist doctor`).
@@ -35,15 +32,8 @@ AUTO_REASONS = {
     "float32": "no GPU with tensor cores (a CPU runs half precision slower than float32)",
 }
 HALF_DTYPES = ("float16", "bfloat16")
+_check_outputs = False  # set once tfdist set a mixed policy: fit then checks outputs (keras_fixes.precision_check)
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
-
-
-class PrecisionError(ValueError):
-    """A precision name or argument tfdist cannot use; the message says the fix."""
-
-
-class PrecisionWarning(UserWarning):
-    """A model whose outputs are half precision (softmax and losses want float32)."""
 
 
 def auto_policy(compute_capabilities: Sequence[tuple[int, int]] | None = None) -> str:
@@ -104,10 +94,9 @@ def set_policy(name: str) -> str:
     Raises:
         PrecisionError: unknown name.
     """
+    global _check_outputs
     resolved = resolve_policy(name)
-    if resolved != "float32":
-        keras_fixes.apply_all()
-        fit_check.apply()
+    _check_outputs = _check_outputs or resolved != "float32"
     keras.config.set_dtype_policy(resolved)
     return resolved
 
@@ -158,7 +147,6 @@ def wrap_optimizer(optimizer: keras.optimizers.Optimizer, initial_scale: float =
         loss_scale = keras.config.dtype_policy().compute_dtype == "float16"
     if not loss_scale or _find_loss_scale_optimizer(optimizer) is not None:
         return optimizer
-    keras_fixes.apply_all()
     return LossScaleOptimizer(optimizer, initial_scale=float(initial_scale),
                               dynamic_growth_steps=dynamic_growth_steps)
 
@@ -220,6 +208,11 @@ def _output_layers(model: keras.Model) -> list[tuple[Any, str]]:
     return found
 
 
+def checks_outputs() -> bool:
+    """Whether ``fit`` adds a ``PrecisionCheck`` to half-precision models (after tfdist set a mixed policy)."""
+    return _check_outputs
+
+
 class PrecisionCheck(keras.callbacks.Callback):
     """Runs ``check_model`` when ``fit`` starts (after Keras built the model).
 
@@ -229,24 +222,6 @@ class PrecisionCheck(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         check_model(self.model)
-
-
-fit_check = Patch(
-    "precision_check", "tfdist: half-precision outputs",
-    without="fit does not warn about an output layer that computes in float16.")
-
-
-@fit_check.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", tuple(inspect.signature(
-    keras_tf_trainer.TensorFlowTrainer.fit).parameters))
-def _fit_with_precision_check(original, self, *args, **kwargs):
-    """``Model.fit`` that adds a PrecisionCheck when the model computes in half precision."""
-    if self.compute_dtype in HALF_DTYPES:
-        bound = inspect.signature(original).bind(self, *args, **kwargs)
-        callbacks = list(bound.arguments.get("callbacks") or [])
-        if not any(isinstance(c, PrecisionCheck) for c in callbacks):
-            bound.arguments["callbacks"] = callbacks + [PrecisionCheck()]
-        args, kwargs = bound.args[1:], bound.kwargs
-    return original(self, *args, **kwargs)
 
 
 def make_train_step(model: keras.Model, loss_fn: Callable, optimizer: keras.optimizers.Optimizer,
@@ -277,7 +252,6 @@ def make_train_step(model: keras.Model, loss_fn: Callable, optimizer: keras.opti
         raise PrecisionError(f"Model {model.name!r} computes in float16, but {type(optimizer).__name__} does "
                              "no loss scaling: pass tfdist.precision.wrap_optimizer(optimizer).")
     strategy = strategy or tf.distribute.get_strategy()
-    keras_fixes.apply_all()
     if not optimizer.built:  # variables must exist before tracing (tf.function cannot create them)
         with strategy.scope():
             optimizer.build(model.trainable_variables)

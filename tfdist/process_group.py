@@ -33,9 +33,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import collective_ops, resource_variable_ops
 
-from tfdist import cluster as cluster_lib
 from tfdist import compression as compression_lib
 from tfdist import fusion
+from tfdist.errors import CollectiveMismatchError
 
 REDUCE_OPS = ("sum", "mean", "min", "max", "product")
 _MERGE_OPS = {"sum": "Add", "mean": "Add", "min": "Min", "max": "Max", "product": "Mul"}
@@ -46,10 +46,6 @@ _INSTANCE_KEY_BASE = 1 << 30
 _SIGNATURE_DIMS = 8
 
 Tensorish = Any  # a tf.Tensor, tf.Variable, NumPy array or number
-
-
-class CollectiveMismatchError(ValueError):
-    """Ranks made different collective calls, or passed tensors of different shapes or dtypes."""
 
 
 class KeyCache:
@@ -395,34 +391,7 @@ class ProcessGroup:
                f"agree on every rank{hint}"
 
 
-# Job groups -----------------------------------------------------------------------------------
-
-_groups: dict[int, ProcessGroup] = {}
-
-
-def job_group(strategy: tf.distribute.Strategy | None = None) -> ProcessGroup:
-    """The group of every worker process of the job (or of ``strategy``'s workers).
-
-    In a multi-worker job with no strategy yet, builds the job's MultiWorkerMirroredStrategy
-    (which sets up the collective runtime); ``tfdist.strategy.StrategyError`` says why
-    when TensorFlow already started without it.
-    """
-    from tfdist import strategy as strategy_lib  # here: strategy -> keras_fixes -> collectives -> this module
-
-    if strategy is None:
-        strategy = strategy_lib.current_strategy()
-        if strategy is None and cluster_lib.cluster_from_env().is_multi_worker:
-            strategy = strategy_lib.get_strategy()
-        strategy = strategy or tf.distribute.get_strategy()
-    workers = num_workers(strategy)
-    key = id(strategy) if workers > 1 else 0
-    if key not in _groups:
-        options = getattr(strategy.extended, "_communication_options", None) if workers > 1 else None
-        timeout = getattr(options, "timeout_seconds", None)
-        hint = options.implementation.value if options is not None else "auto"
-        _groups[key] = ProcessGroup(range(workers), worker_rank(strategy), timeout, hint)
-    return _groups[key]
-
+# Which workers a strategy spans ---------------------------------------------------------------
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
     """Worker processes that ``strategy`` spans (1 for every single-process strategy)."""

@@ -16,11 +16,8 @@ import shutil
 import sys
 from typing import Sequence
 
+from tfdist.errors import LaunchError
 from tfdist.launch import local, nodes
-
-
-class LaunchError(Exception):
-    """Bad launcher arguments: the message says what to change."""
 
 
 def build_parser() -> argparse.ArgumentParser:

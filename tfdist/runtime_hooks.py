@@ -14,6 +14,8 @@ build their tf.data pipeline first. Two patches, installed when TensorFlow is im
   first one a script builds itself becomes tfdist's. Building one marks the worker
   "joining"/"joined" for the launcher's start-up watchdog.
 
+Each is a ``tfdist.patching.Patch`` whose guard checks the internal it replaces.
+
 And ``tf.distribute.MirroredStrategy()`` in a multi-worker job warns that it trains each
 worker's own copy. ``install`` also applies ``tfdist.tf_fixes`` (tf.distribute's input).
 """
@@ -30,45 +32,51 @@ from tensorflow.python.distribute import collective_all_reduce_strategy, multi_w
 from tensorflow.python.eager import context
 
 from tfdist import cluster as cluster_lib
-from tfdist import startup, tf_fixes
-
-# Where TensorFlow's runtime started ("train.py:8"), if tfdist saw it start.
-runtime_started_at: str | None = None
+from tfdist import startup, state, tf_fixes
+from tfdist.errors import ClusterWarning
+from tfdist.patching import Patch
 
 _Strategy = collective_all_reduce_strategy.CollectiveAllReduceStrategy
-_original_mirrored_init = tf.distribute.MirroredStrategy.__init__
-_original_ensure_initialized = context.Context.ensure_initialized
-_original_init = _Strategy.__init__
 _building = False
 # Callers of __new__ that copy a strategy rather than ask for one.
 _COPYING = ("__deepcopy__", "__copy__", "__newobj__", "__newobj_ex__", "_reconstruct")
 
+runtime_start = Patch(
+    "strategy before the runtime starts", "tensorflow: collectives are configured once, at start-up",
+    without="a multi-worker job whose script runs TensorFlow code before tfdist.scope() fails with \"Collective "
+            "ops must be configured at program startup\".", library="tensorflow")
+one_multi_worker = Patch(
+    "one MultiWorkerMirroredStrategy per process", "tensorflow: one collective context per process",
+    without="a script's own tf.distribute.MultiWorkerMirroredStrategy() is a second strategy beside tfdist's, and "
+            "the launcher's start-up watchdog does not see it join.", library="tensorflow")
+mirrored_warning = Patch(
+    "MirroredStrategy in a multi-worker job", "tfdist: a warning",
+    without="tf.distribute.MirroredStrategy() in a multi-worker job trains each worker's own copy, silently.",
+    library="tensorflow")
+
 
 def install() -> None:
-    """Installs both patches (idempotent). The first is skipped if the runtime already started."""
+    """Installs the patches (idempotent); the runtime-start one only if the runtime has not started."""
     tf_fixes.patch.apply()
-    if getattr(_Strategy, "_tfdist_patched", False):
-        return
-    _Strategy.__new__ = _new_strategy
-    _Strategy.__init__ = _init_strategy
-    _Strategy._tfdist_patched = True
-    tf.distribute.MirroredStrategy.__init__ = _init_mirrored
+    one_multi_worker.apply()
+    mirrored_warning.apply()
     if context.context()._context_handle is None:
-        context.Context.ensure_initialized = _ensure_initialized
+        runtime_start.apply()
 
 
-def _ensure_initialized(self):
-    global _building, runtime_started_at
+@runtime_start.replaces(context.Context, "ensure_initialized", ("self",))
+def _ensure_initialized(original, self):
+    global _building
     if not self._initialized and not _building:
         _building = True
         try:
-            runtime_started_at = startup.user_frame(sys._getframe(1))
+            state.runtime_started_at = startup.user_frame(sys._getframe(2))
             _before_runtime_start()
         finally:
             _building = False
-    _original_ensure_initialized(self)
+    original(self)
     if self._initialized:
-        context.Context.ensure_initialized = _original_ensure_initialized  # off the hot path from now on
+        runtime_start.restore()  # off the hot path from now on
 
 
 def _before_runtime_start() -> None:
@@ -81,36 +89,38 @@ def _before_runtime_start() -> None:
         cpu_devices = cluster_lib.cpu_devices_from_env()
     except cluster_lib.ClusterConfigError:
         return  # not a cluster tfdist reads (a parameter-server job, say): leave it to the script
-    if cluster.is_multi_worker and strategy_lib.current_strategy() is None:
-        strategy_lib.build_at_runtime_start(f"before TensorFlow's first op ({runtime_started_at})")
+    if cluster.is_multi_worker and state.current_strategy() is None:
+        strategy_lib.build_at_runtime_start(f"before TensorFlow's first op ({state.runtime_started_at})")
     elif cpu_devices is not None:
         strategy_lib.configure_cpu_devices(cpu_devices)
 
 
-def _new_strategy(cls, *args, **kwargs):
+@one_multi_worker.replaces(_Strategy, "__new__", ("args", "kwargs"))  # object.__new__: the class defines none
+def _new_strategy(original, cls, *args, **kwargs):
     from tfdist import strategy as strategy_lib
 
     existing = strategy_lib.current_multi_worker()
-    if existing is None or sys._getframe(1).f_code.co_name in _COPYING:
-        return object.__new__(cls)
+    if existing is None or sys._getframe(2).f_code.co_name in _COPYING:
+        return original(cls)
     resolver = kwargs.get("cluster_resolver") or next(
         (a for a in args if hasattr(a, "cluster_spec") and hasattr(a, "task_type")), None)
     if resolver is not None and _cluster_of(resolver) != _cluster_of(existing.extended):
         raise strategy_lib.StrategyError(
             f"This process already has a MultiWorkerMirroredStrategy for {_cluster_of(existing.extended)} "
-            f"({strategy_lib.origin_of_current()}); received a cluster resolver for {_cluster_of(resolver)}. "
+            f"({state.origin_of_current()}); received a cluster resolver for {_cluster_of(resolver)}. "
             "TensorFlow allows one multi-worker strategy per process: build it once, for one cluster.")
     return existing
 
 
-def _init_strategy(self, *args, **kwargs):
+@one_multi_worker.replaces(_Strategy, "__init__", ("self", "cluster_resolver", "communication_options"))
+def _init_strategy(original, self, *args, **kwargs):
     if getattr(self, "_tfdist_ready", False):
         return  # the process's existing strategy, returned by _new_strategy
     global _building
     _mark_if_multi_worker("joining")  # the constructor waits for every peer
     building, _building = _building, True  # this strategy is the one; the runtime hook builds none
     try:
-        _original_init(self, *args, **kwargs)
+        original(self, *args, **kwargs)
     finally:
         _building = building
     self._tfdist_ready = True
@@ -118,14 +128,11 @@ def _init_strategy(self, *args, **kwargs):
         _mark_if_multi_worker("joined")
         from tfdist import strategy as strategy_lib
 
-        strategy_lib.adopt(self, f"tf.distribute.MultiWorkerMirroredStrategy() at {startup.user_frame(sys._getframe(1))}")
+        strategy_lib.adopt(self, f"tf.distribute.MultiWorkerMirroredStrategy() at {startup.user_frame(sys._getframe(2))}")
 
 
-class ClusterWarning(UserWarning):
-    """A strategy that ignores the cluster this process belongs to."""
-
-
-def _init_mirrored(self, devices=None, cross_device_ops=None):
+@mirrored_warning.replaces(tf.distribute.MirroredStrategy, "__init__", ("self", "devices", "cross_device_ops"))
+def _init_mirrored(original, self, devices=None, cross_device_ops=None):
     try:
         cluster = cluster_lib.cluster_from_env()
     except cluster_lib.ClusterConfigError:
@@ -135,8 +142,8 @@ def _init_mirrored(self, devices=None, cross_device_ops=None):
             f"This process is worker {cluster.worker_index} of {cluster.num_workers} ({cluster.source}), but "
             "MirroredStrategy spans this worker's own devices only: each worker trains its own copy of the "
             "model. To train one model on every worker, use tfdist.scope() / tfdist.get_strategy() (or "
-            "tf.distribute.MultiWorkerMirroredStrategy()).", ClusterWarning, stacklevel=2)
-    _original_mirrored_init(self, devices, cross_device_ops)
+            "tf.distribute.MultiWorkerMirroredStrategy()).", ClusterWarning, stacklevel=3)
+    original(self, devices, cross_device_ops)
 
 
 def _mark_if_multi_worker(stage: str) -> None:

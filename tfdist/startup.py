@@ -1,14 +1,16 @@
-"""What a worker arms before the user's code runs. Standard library only.
+"""What a worker arms before the user's code runs. Standard library only; imports nothing of
+tfdist's but its errors, so the hooks it runs are given to it.
 
-Two callers arm it: ``import tfdist``, and the ``sitecustomize`` that ``tfdist run`` puts
-first on every worker's PYTHONPATH, so scripts that never import tfdist get the same.
-Arming imports nothing heavy; it watches imports:
+``import tfdist`` arms it with tfdist's hooks (``tfdist/__init__.py``), and the
+``sitecustomize`` that ``tfdist run`` puts first on every worker's PYTHONPATH imports tfdist,
+so scripts that never import tfdist get the same. Arming imports nothing heavy; it watches
+imports and runs each hook once its module has been imported:
 
-* when ``keras`` has been imported: tfdist's Keras fixes (``tfdist.keras_fixes.apply_all``);
-* when ``tensorflow`` has been imported: ``tfdist.runtime_hooks.install``, which builds the
-  multi-worker strategy just before TensorFlow's runtime starts (so ``tfdist.scope()``
-  works after a tf.data pipeline was built) and makes a script's own
-  ``tf.distribute.MultiWorkerMirroredStrategy()`` the same object as tfdist's;
+* ``keras``: tfdist's Keras fixes (``tfdist.keras_fixes.apply_all``);
+* ``tensorflow``: ``tfdist.runtime_hooks.install``, which builds the multi-worker strategy
+  just before TensorFlow's runtime starts (so ``tfdist.scope()`` works after a tf.data
+  pipeline was built) and makes a script's own ``tf.distribute.MultiWorkerMirroredStrategy()``
+  the same object as tfdist's;
 * with ``aliases`` (``tfdist run --horovod``): extra module names that resolve to tfdist
   modules, e.g. ``horovod.tensorflow.keras`` -> ``tfdist.horovod``.
 
@@ -25,6 +27,8 @@ import sys
 import threading
 import warnings
 from typing import Callable, Mapping
+
+from tfdist.errors import StartupWarning
 
 # `tfdist run --horovod`: Horovod's module names, each resolved to the tfdist module that stands in for it.
 HOROVOD_ALIASES = {
@@ -52,20 +56,19 @@ _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_PARTS = ("importlib", f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
-class StartupWarning(UserWarning):
-    """A tfdist start-up hook could not do its work; the message says what will not work."""
+def arm(hooks: Mapping[str, Callable[[], None]] | None = None, aliases: Mapping[str, str] | None = None) -> None:
+    """Installs the import watcher (idempotent) and ``hooks``: module name -> what to run once it is imported.
 
-
-def arm(aliases: Mapping[str, str] | None = None) -> None:
-    """Installs tfdist's import hooks (idempotent); ``aliases`` maps module names to tfdist modules."""
+    ``aliases`` maps module names to the tfdist modules they stand for.
+    """
     global _armed
     with _lock:
         _aliases.update(aliases or {})
         if not _armed:
             _armed = True
             sys.meta_path.insert(0, _Finder())
-            after_import("keras", _apply_keras_fixes)
-            after_import("tensorflow", _install_runtime_hooks)
+        for name, hook in (hooks or {}).items():
+            after_import(name, hook)
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
@@ -100,21 +103,6 @@ def _call(name: str, callback: Callable[[], None]) -> None:
     except Exception as err:  # a hook must never break the user's import
         warnings.warn(f"tfdist could not run its start-up hook for {name!r}: {type(err).__name__}: {err}",
                       StartupWarning, stacklevel=2)
-
-
-def _apply_keras_fixes() -> None:
-    from keras import backend
-
-    if backend.backend() == "tensorflow":
-        from tfdist import keras_fixes
-
-        keras_fixes.apply_all()
-
-
-def _install_runtime_hooks() -> None:
-    from tfdist import runtime_hooks
-
-    runtime_hooks.install()
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -2,7 +2,8 @@
 
 ``scope()`` reads the cluster from the environment, builds the strategy once per
 process (TensorFlow allows one MultiWorkerMirroredStrategy per process, created
-before its runtime starts), applies the Keras 3 multi-worker fixes, and enters it.
+before its runtime starts), records it in ``tfdist.state``, and enters it. (tfdist's
+Keras fixes are applied when Keras is imported: see ``tfdist.startup``.)
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any, Iterator, Sequence, Union
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist import keras_fixes
 from tfdist import precision as precision_lib
-from tfdist import startup
+from tfdist import process_group, startup, state
+from tfdist.errors import StrategyError
+from tfdist.state import built_by_tfdist, current_strategy, origin_of_current  # noqa: F401  (this module's API)
 
 STRATEGY_NAMES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 CROSS_DEVICE_OPS = {
@@ -43,22 +45,6 @@ DEFAULT_OPTIONS = {
 
 DeviceSpec = Union[None, int, str, Sequence[str]]
 _PATTERN = re.compile(r"^(CPU|GPU):(\*|\d+|\[(\d+)-(\d+)\])$", re.IGNORECASE)
-
-
-
-@dataclasses.dataclass(frozen=True)
-class _Built:
-    key: tuple           # the request, as _request_key makes it
-    strategy: tf.distribute.Strategy
-    origin: str          # where it was built, for messages: "built by tfdist at train.py:12"
-    adopted: bool = False  # built by the script itself, not by tfdist
-
-
-_built: _Built | None = None
-
-
-class StrategyError(ValueError):
-    """A strategy, device spec or option that tfdist cannot build; the message says the fix."""
 
 
 @contextlib.contextmanager
@@ -101,19 +87,19 @@ def get_strategy(strategy: str = "auto", devices: DeviceSpec = None, **options: 
 
 
 def _get_or_build(key: tuple, origin: str | None) -> tf.distribute.Strategy:
-    global _built
-    if _built is not None:
-        if key in (_built.key, _AUTO_KEY):
-            return _built.strategy
+    built = state.built
+    if built is not None:
+        if key in (built.key, _AUTO_KEY):
+            return built.strategy
         raise StrategyError(
-            f"tfdist already built a strategy for {_describe(_built.key)} in this process ({_built.origin}); "
+            f"tfdist already built a strategy for {_describe(built.key)} in this process ({built.origin}); "
             f"received {_describe(key)}. A process builds one strategy: pass the same arguments everywhere, "
             "call tfdist.get_strategy() with none to reuse it, or make this call come first."
         )
     name, devices, options = key
-    built = make_strategy(name, list(devices) if isinstance(devices, tuple) else devices, **dict(options))
-    _built = _Built(key, built, origin or f"built by tfdist at {startup.user_frame(sys._getframe(1))}")
-    return built
+    strategy = make_strategy(name, list(devices) if isinstance(devices, tuple) else devices, **dict(options))
+    state.record(state.Built(key, strategy, origin or f"built by tfdist at {startup.user_frame(sys._getframe(1))}"))
+    return strategy
 
 
 def build_at_runtime_start(origin: str) -> tf.distribute.Strategy:
@@ -123,32 +109,19 @@ def build_at_runtime_start(origin: str) -> tf.distribute.Strategy:
 
 def adopt(strategy: tf.distribute.Strategy, origin: str) -> None:
     """Makes a multi-worker strategy the script built itself the process's strategy, if it has none."""
-    global _built
-    if _built is None:
-        _built = _Built(_request_key("multi_worker", None, {}), strategy, origin, adopted=True)
-
-
-def current_strategy() -> tf.distribute.Strategy | None:
-    """The strategy tfdist built (or adopted) in this process, or None."""
-    return None if _built is None else _built.strategy
-
-
-def built_by_tfdist() -> tf.distribute.Strategy | None:
-    """The process's strategy if tfdist built it (not adopted from the script), else None."""
-    return None if _built is None or _built.adopted else _built.strategy
+    if state.built is None:
+        state.record(state.Built(_request_key("multi_worker", None, {}), strategy, origin, adopted=True))
 
 
 def current_multi_worker() -> tf.distribute.Strategy | None:
     """The process's multi-worker strategy, or None."""
-    built = current_strategy()
-    if isinstance(built, tf.distribute.MultiWorkerMirroredStrategy) and built.extended._num_workers > 1:
-        return built
-    return None
+    built = state.current_strategy()
+    return built if is_multi_worker(built) else None
 
 
-def origin_of_current() -> str:
-    """Where the process's strategy came from, for messages."""
-    return "no strategy yet" if _built is None else _built.origin
+def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether ``strategy`` spans more than one worker process."""
+    return strategy is not None and process_group.num_workers(strategy) > 1
 
 
 def init(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
@@ -176,7 +149,6 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
     Most code wants ``scope()`` or ``get_strategy()``, which build once per process.
     """
     opts = _check_options(options)
-    keras_fixes.apply_all()
     if strategy not in STRATEGY_NAMES:
         raise StrategyError(f"Unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}.")
     cluster = cluster_lib.cluster_from_env() if cluster is None else cluster
@@ -232,9 +204,7 @@ def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: d
 
 
 def _too_late_message() -> str:
-    from tfdist import runtime_hooks
-
-    started = runtime_hooks.runtime_started_at
+    started = state.runtime_started_at
     if started is None:
         return ("strategy='multi_worker' must be built before TensorFlow's runtime starts, and it started before "
                 f"tfdist was imported (`import tfdist` ran at {startup.imported_at}). Move `import tfdist` above "

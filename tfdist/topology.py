@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import builtins
 
-from tfdist import cluster
+from tfdist import cluster, state
 
 
 def size() -> int:
@@ -20,9 +20,7 @@ def size() -> int:
     """
     import tensorflow as tf
 
-    from tfdist import strategy
-
-    built = strategy.current_strategy()
+    built = state.current_strategy()
     if built is None and tf.distribute.has_strategy():
         built = tf.distribute.get_strategy()
     if built is None:

@@ -8,16 +8,14 @@ import json
 import os
 from typing import Sequence
 
+from tfdist.errors import BenchError
+
 MODELS = ("small_cnn", "mobilenet_v2", "resnet50")
 SOURCES = ("mock", "tfds", "synthetic", "tfrecord")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 STRATEGIES = ("auto", "mirrored", "multi_worker")
 MODES = ("train", "input", "profile")
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "bench")
-
-
-class BenchError(ValueError):
-    """Bad benchmark settings; the message names the value and the fix."""
 
 
 class JsonRecord:

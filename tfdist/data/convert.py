@@ -20,12 +20,9 @@ from typing import Sequence
 from tfdist import extras
 from tfdist.data.records import IMAGE_FORMATS, DataError
 from tfdist.data.writer import WriteResult, write_tfrecords
+from tfdist.errors import ConvertError
 
 SOURCES = ("tfds", "mock")
-
-
-class ConvertError(DataError):
-    """A dataset that cannot be loaded; the message says what to try."""
 
 
 def convert(dataset: str, split: str, out_dir: str, *, num_shards: int = 16, source: str = "tfds",

@@ -22,15 +22,12 @@ import tensorflow as tf
 
 from tfdist.data import records
 from tfdist.data.records import DataError
+from tfdist.errors import ShardingWarning
 
 FilePattern = Union[str, Sequence[str]]
 # The file-order seed when none is given: a constant, so all workers agree without talking.
 _DEFAULT_FILE_SEED = 20261122
 _MAX_OPEN_FILES = 16
-
-
-class ShardingWarning(UserWarning):
-    """Fewer files than input pipelines: each pipeline reads every file (record-level sharding)."""
 
 
 def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,

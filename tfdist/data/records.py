@@ -20,15 +20,13 @@ from typing import Mapping
 
 import tensorflow as tf
 
+from tfdist.errors import DataError
+
 INDEX_KEY = "index"
 IMAGE_FORMATS = ("jpeg", "png")
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 _HEADER = struct.Struct("<QI")  # record length, masked CRC32C of the length
 _FOOTER_BYTES = 4  # masked CRC32C of the payload
-
-
-class DataError(ValueError):
-    """Bad data or arguments for tfdist.data; the message names the value and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)

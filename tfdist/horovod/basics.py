@@ -15,7 +15,6 @@ import warnings
 from typing import Sequence
 
 from tfdist import cluster as cluster_lib
-from tfdist import startup
 
 # Horovod's reduce ops; the values are tfdist.process_group's names for them.
 Average = "mean"
@@ -103,7 +102,6 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         raise ValueError(f"hvd.init(comm=...) takes None or the list of all {cluster.num_workers} rank(s); received "
                          f"comm={comm!r}. tfdist has no MPI communicators: start only the processes you need "
                          "(tfdist run -n N), or use hvd.ProcessSet for collectives among some ranks.")
-    startup.arm()  # the collective runtime is built just before TensorFlow's first op
     if cluster.is_multi_worker:
         from tfdist import strategy as strategy_lib
 
@@ -221,12 +219,12 @@ def group_of(process_set: ProcessSet, name: str):
     Raises:
         ValueError: tfdist.horovod is not initialised, or the set is not registered.
     """
-    from tfdist import process_group
+    from tfdist import collectives
 
     _cluster(name)
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be an hvd.ProcessSet; received {process_set!r}.")
-    group = process_group.job_group()
+    group = collectives.job_group()
     if process_set is global_process_set:
         return group
     if _state.process_sets.get(process_set.process_set_id) is not process_set:

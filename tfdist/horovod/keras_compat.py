@@ -21,15 +21,13 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers.trainer import Trainer
 
+from tfdist.keras_fixes.signatures import COMPILE_PARAMETERS
 from tfdist.patching import Patch
 
 patch = Patch(
     "horovod_keras_names", "Keras 3 API removals (Horovod's examples)",
     without="Horovod's Keras examples fail on Keras 3: compile() rejects experimental_run_tf_function and "
             "opt.variables() is not callable.")
-
-_COMPILE_PARAMETERS = ("self", "optimizer", "loss", "loss_weights", "metrics", "weighted_metrics", "run_eagerly",
-                       "steps_per_execution", "jit_compile", "auto_scale_loss")
 
 
 class CallableList(list):
@@ -39,7 +37,7 @@ class CallableList(list):
         return self
 
 
-@patch.replaces(Trainer, "compile", _COMPILE_PARAMETERS)
+@patch.replaces(Trainer, "compile", COMPILE_PARAMETERS)
 def _compile_accepting_horovods_keyword(original, self, *args, experimental_run_tf_function=None, **kwargs):
     return original(self, *args, **kwargs)
 
@@ -54,15 +52,17 @@ def _callable_loss_scale_variables(original, self):
     return CallableList(original(self))
 
 
-def apply() -> None:
-    """Applies the patch and adds the ``lr`` alias (idempotent)."""
-    if patch.apply() and not hasattr(BaseOptimizer, "lr"):
-        BaseOptimizer.lr = property(_get_lr, lambda self, value: setattr(self, "learning_rate", value),
-                                    doc="Keras 2's name for learning_rate (Horovod's examples use it).")
-
-
 def _get_lr(optimizer):
     """The learning rate as the TensorFlow variable behind it, so ``tf.keras.backend.set_value`` and
     ``.assign`` work on it as they did in Keras 2 (a schedule's current rate is a plain tensor)."""
     rate = optimizer.learning_rate
     return rate.value if isinstance(rate, KerasVariable) else rate
+
+
+patch.adds(BaseOptimizer, "lr", property(_get_lr, lambda self, value: setattr(self, "learning_rate", value),
+                                         doc="Keras 2's name for learning_rate (Horovod's examples use it)."))
+
+
+def apply() -> None:
+    """Applies the patch, the ``lr`` alias included (idempotent)."""
+    patch.apply()

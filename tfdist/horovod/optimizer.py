@@ -21,6 +21,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from tfdist import compression as compression_lib
 from tfdist import optimizer as optimizer_lib
@@ -28,6 +29,14 @@ from tfdist import process_group
 from tfdist.compression import Compression
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
+from tfdist.patching import Patch
+
+# The Keras method _AllReduceBeforeUpdate overrides: if Keras stopped calling it, each process
+# would train alone; a changed signature refuses to build the optimizer.
+keras_internals = Patch(
+    "horovod_distributed_optimizer", "tfdist.horovod",
+    without="hvd.DistributedOptimizer would not average gradients across processes: each would train alone.")
+keras_internals.overrides(BaseOptimizer, "_clip_gradients", ("self", "grads"))
 
 
 _LOCAL_VARS = ("tfdist.horovod all-reduces every gradient; it has no worker-local variables. Compute the "
@@ -103,6 +112,7 @@ class _AllReduceBeforeUpdate:
     """Keras optimizer mixin: averages gradients across processes just before each update."""
 
     _tfdist_reduction: GradientReduction
+    keras_internals = keras_internals
 
     def _clip_gradients(self, grads):
         # Keras calls this once per update, with the gradients about to be applied (after

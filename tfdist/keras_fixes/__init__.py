@@ -11,6 +11,7 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``loss_scale``: LossScaleOptimizer skips a step when any replica overflows.
 * ``callbacks``: Keras' checkpoint, logging and early-stopping callbacks on several
   workers (tensorflow#38635).
+* ``precision_check``: ``fit`` warns about half-precision outputs once tfdist set a mixed policy.
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
   (keras#19246); the last call of an epoch runs only the steps left (Keras runs K);
   and ``"auto"``: tfdist picks K.
@@ -18,16 +19,30 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 
 from __future__ import annotations
 
-from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, steps_per_execution
 from tfdist.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
 
-PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
-                              steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch)
+__all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", "original_of", "patches"]
 
-__all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", "original_of"]
+
+def patches() -> tuple[Patch, ...]:
+    """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
+    so importing this package never starts a Keras import inside a half-imported tfdist module."""
+    from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, precision_check, steps_per_execution
+
+    return (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
+            steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, precision_check.patch)
 
 
 def apply_all() -> None:
-    """Applies every patch whose internals look as expected (idempotent)."""
-    for patch in PATCHES:
+    """Applies every patch whose internals look as expected (idempotent).
+
+    ``tfdist.startup`` calls it once Keras is imported; nothing else needs to.
+    """
+    for patch in patches():
         patch.apply()
+
+
+def __getattr__(name: str):
+    if name == "PATCHES":  # PEP 562: the tuple, imported on first use
+        return patches()
+    raise AttributeError(f"module 'tfdist.keras_fixes' has no attribute {name!r}")

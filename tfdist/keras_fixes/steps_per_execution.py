@@ -32,6 +32,8 @@ from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import python_utils
 
+from tfdist import state
+from tfdist.keras_fixes.signatures import COMPILE_PARAMETERS, FIT_PARAMETERS
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -134,8 +136,7 @@ auto_patch = Patch(
             "one step per call.")
 
 
-@auto_patch.replaces(trainer_module.Trainer, "compile", tuple(inspect.signature(
-    trainer_module.Trainer.compile).parameters))
+@auto_patch.replaces(trainer_module.Trainer, "compile", COMPILE_PARAMETERS)
 def _compile_with_auto_steps(original, self, *args, **kwargs):
     """``steps_per_execution="auto"``, or none given under a strategy tfdist built: tfdist picks K in fit."""
     bound = inspect.signature(original).bind(self, *args, **kwargs)
@@ -146,8 +147,7 @@ def _compile_with_auto_steps(original, self, *args, **kwargs):
     self._tfdist_auto_steps = requested == "auto" or (requested is None and _under_tfdist_strategy())
 
 
-@auto_patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", tuple(inspect.signature(
-    keras_tf_trainer.TensorFlowTrainer.fit).parameters))
+@auto_patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)
 def _fit_with_auto_steps(original, self, *args, **kwargs):
     """K for this fit only (evaluate/predict outside fit keep Keras' one step per call)."""
     if not getattr(self, "_tfdist_auto_steps", False):
@@ -179,7 +179,5 @@ def auto_steps(callbacks, *step_limits: int | None) -> int:
 
 def _under_tfdist_strategy() -> bool:
     """Inside the scope of (or after ``init()`` with) a strategy tfdist built, not one it adopted."""
-    from tfdist import strategy as strategy_lib
-
-    built = strategy_lib.built_by_tfdist()
+    built = state.built_by_tfdist()
     return built is not None and tf.distribute.get_strategy() is built

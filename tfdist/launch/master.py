@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Callable
 
+from tfdist.errors import MasterError
 from tfdist.launch import wire
 
 EXIT_TIMEOUT = 124
@@ -36,10 +37,6 @@ PING_SECONDS = 2.0
 SILENCE_SECONDS = 30.0  # a launcher that sends nothing (not even a ping) this long is lost
 _PORT_CLASH_RETRIES = 3
 _ACK_SECONDS = 30.0  # beyond the grace period, for a node to report its workers stopped
-
-
-class MasterError(Exception):
-    """Node 0 cannot coordinate the job; the message says what to change."""
 
 
 @dataclasses.dataclass

@@ -27,18 +27,11 @@ import time
 from typing import IO, Sequence
 
 from tfdist import cluster
+from tfdist.errors import NodeError
 from tfdist.launch import local, master as master_lib, output, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
 _CONNECT_RETRY_SECONDS = 0.5
-
-
-class NodeError(Exception):
-    """This node cannot take part in the job; the message says why and what to change."""
-
-    def __init__(self, message: str, exit_code: int = 1):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _MasterSaid(Exception):

@@ -30,14 +30,11 @@ import threading
 from typing import IO, Sequence
 
 from tfdist import cluster, extras
+from tfdist.errors import RayLaunchError
 from tfdist.launch import local, output
 
 EXIT_NO_RAY = 2
 _POLL_SECONDS = 0.5
-
-
-class RayLaunchError(Exception):
-    """Ray cannot run the job as asked; the message says what to change."""
 
 
 class WorkerHost:

@@ -23,15 +23,13 @@ import socket
 import struct
 import threading
 
+from tfdist.errors import WireError
+
 PROTOCOL = "tfdist-nodes/1"
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
 _LENGTH = struct.Struct(">I")
 _MAC_SIZE = hashlib.sha256().digest_size
-
-
-class WireError(Exception):
-    """The connection broke, or the other side sent something that is not this protocol."""
 
 
 class Refused(WireError):
