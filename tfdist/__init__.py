@@ -8,9 +8,25 @@
 
 Public names load on first use (PEP 562), so ``import tfdist`` and the launcher
 ``tfdist.run`` never import TensorFlow by themselves. What ``import tfdist`` does do is
-arm ``tfdist.startup``'s import hooks: tfdist's Keras fixes apply as soon as Keras is
-imported, and in a multi-worker job the strategy is built just before TensorFlow's first
-op, so ``tfdist.scope()`` works wherever the script enters it. Import tfdist first.
+arm ``tfdist.startup``'s import hooks (this module wires them): tfdist's Keras fixes apply
+as soon as Keras is imported, and in a multi-worker job the strategy is built just before
+TensorFlow's first op, so ``tfdist.scope()`` works wherever the script enters it. Import
+tfdist first.
+
+Layers (each module imports only from its own layer or lower ones; tests/test_layers.py
+checks it, imports inside functions included):
+
+0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
+   ``patching``, ``startup``, ``extras``, ``checkpoint``, the launcher (``run``, ``cli``,
+   ``launch/*``);
+1. TensorFlow primitives: ``compression``, ``fusion``;
+2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
+3. ``strategy`` (the factory; device specs);
+4. every change to Keras/TF internals, through ``patching.Patch``: ``keras_fixes/*``,
+   ``tf_fixes``, ``runtime_hooks``;
+5. the public API: ``collectives`` (and finding the job), ``topology`` (rank helpers),
+   ``optimizer``, ``callbacks``, ``data/*``;
+6. fronts that compose the rest: ``horovod/*``, ``ray_train``, ``bench/*``, ``doctor``.
 """
 
 from __future__ import annotations

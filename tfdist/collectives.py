@@ -24,8 +24,7 @@ from tfdist import process_group, state
 from tfdist import strategy as strategy_lib
 from tfdist.process_group import ProcessGroup, num_workers, worker_rank  # noqa: F401  (re-exported)
 
-REDUCE_OPS = ("mean", "sum")
-_groups: dict[int, ProcessGroup] = {}
+REDUCE_OPS = ("mean", "sum")  # the eager helpers' subset of process_group.REDUCE_OPS
 
 
 def job_group(strategy: tf.distribute.Strategy | None = None) -> ProcessGroup:
@@ -40,14 +39,7 @@ def job_group(strategy: tf.distribute.Strategy | None = None) -> ProcessGroup:
         if strategy is None and cluster_lib.cluster_from_env().is_multi_worker:
             strategy = strategy_lib.get_strategy()
         strategy = strategy or tf.distribute.get_strategy()
-    workers = num_workers(strategy)
-    key = id(strategy) if workers > 1 else 0
-    if key not in _groups:
-        options = getattr(strategy.extended, "_communication_options", None) if workers > 1 else None
-        timeout = getattr(options, "timeout_seconds", None)
-        hint = options.implementation.value if options is not None else "auto"
-        _groups[key] = ProcessGroup(range(workers), worker_rank(strategy), timeout, hint)
-    return _groups[key]
+    return process_group.for_strategy(strategy)
 
 
 def allreduce(value: Any, op: str = "mean", strategy: tf.distribute.Strategy | None = None) -> Any:

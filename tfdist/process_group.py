@@ -393,6 +393,21 @@ class ProcessGroup:
 
 # Which workers a strategy spans ---------------------------------------------------------------
 
+_groups: dict[int, "ProcessGroup"] = {}
+
+
+def for_strategy(strategy: tf.distribute.Strategy) -> "ProcessGroup":
+    """The group of ``strategy``'s worker processes (one group per strategy, kept)."""
+    workers = num_workers(strategy)
+    key = id(strategy) if workers > 1 else 0
+    if key not in _groups:
+        options = getattr(strategy.extended, "_communication_options", None) if workers > 1 else None
+        timeout = getattr(options, "timeout_seconds", None)
+        hint = options.implementation.value if options is not None else "auto"
+        _groups[key] = ProcessGroup(range(workers), worker_rank(strategy), timeout, hint)
+    return _groups[key]
+
+
 def num_workers(strategy: tf.distribute.Strategy) -> int:
     """Worker processes that ``strategy`` spans (1 for every single-process strategy)."""
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 
 import keras
+import tensorflow as tf
 from keras.src.callbacks.backup_and_restore import BackupAndRestore
 from keras.src.callbacks.callback_list import CallbackList
 from keras.src.callbacks.csv_logger import CSVLogger
@@ -36,7 +37,7 @@ from keras.src.callbacks.tensorboard import TensorBoard
 from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
-from tfdist import checkpoint, collectives
+from tfdist import checkpoint, process_group
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -53,14 +54,20 @@ _REPORTS_LAST_BATCH = Version(keras.__version__) >= Version("3.11")
 def _workers(model) -> tuple[int, int]:
     """(this worker's rank, number of workers) of the strategy ``model`` was built under."""
     strategy = model.distribute_strategy
-    return collectives.worker_rank(strategy), collectives.num_workers(strategy)
+    return process_group.worker_rank(strategy), process_group.num_workers(strategy)
+
+
+def _sum_over_workers(value: float, model) -> float:
+    """``value`` summed over the workers of the strategy ``model`` was built under (a collective)."""
+    group = process_group.for_strategy(model.distribute_strategy)
+    return float(group.allreduce(tf.constant([value], tf.float64), op="sum", device="CPU").numpy()[0])
 
 
 def _agree_on(model, logs: dict | None, key: str) -> None:
     """Replaces ``logs[key]`` with its mean over the workers, when there are several (as Horovod's
     MetricAverageCallback would): later callbacks see the mean too."""
     if logs and isinstance(logs.get(key), numbers.Real) and _workers(model)[1] > 1:
-        logs[key] = collectives.allreduce(float(logs[key]), strategy=model.distribute_strategy)
+        logs[key] = _sum_over_workers(float(logs[key]), model) / _workers(model)[1]
 
 
 # ModelCheckpoint ---------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
     _pending_skip = 0
     rank, workers = _workers(self.model)
     if workers > 1:
-        collectives.barrier(self.model.distribute_strategy)  # every last save is done before the chief deletes
+        process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes
     if rank == 0:
         original(self, logs)
 
@@ -183,7 +190,7 @@ def _skip_steps_the_backup_had_done(original, self):
 
 @patch.replaces(TensorBoard, "set_model", ("self", "model"))
 def _tensorboard_elsewhere_unless_chief(original, self, model):
-    if collectives.worker_rank(model.distribute_strategy) != 0:
+    if process_group.worker_rank(model.distribute_strategy) != 0:
         _drop_private_dir(self, "log_dir")
         self._tfdist_user_value = getattr(self, "_tfdist_user_value", self.log_dir)
         self.log_dir = self._tfdist_private = tempfile.mkdtemp(prefix="tfdist-tensorboard-")
@@ -240,5 +247,5 @@ def _stop_together(original, self, epoch, logs=None):
     model = getattr(self, "model", None)
     if model is None or _workers(model)[1] == 1:
         return
-    stops = collectives.allreduce(float(bool(model.stop_training)), op="sum", strategy=model.distribute_strategy)
+    stops = _sum_over_workers(float(bool(model.stop_training)), model)
     model.stop_training = stops > 0
