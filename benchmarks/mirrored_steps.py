@@ -31,7 +31,7 @@ BATCH = 64  # global
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=512, help="timed steps per run (a multiple of 16)")
+    parser.add_argument("--steps", type=int, default=512, help="timed steps per run (any count: the last call runs the steps left)")
     parser.add_argument("--setup", choices=SETUPS, help=argparse.SUPPRESS)  # set in the child
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

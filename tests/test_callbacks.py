@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -231,12 +232,17 @@ def test_scale_lr_verbose_and_print(mirrored, monkeypatch, capsys):
 
 # Throughput -----------------------------------------------------------------------------------
 
-def test_throughput_with_a_known_batch_size():
+@pytest.mark.parametrize("batch_size", [16, None], ids=["given", "counted"])
+def test_throughput_measures_a_known_step_time(batch_size):
+    """Each step takes at least 50 ms (a sleeping callback): the rate is 16 examples per step time."""
     model = common.equivalence_model()
-    x, y = common.regression_data(64)
-    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[callbacks.Throughput(16, verbose=0)])
+    x, y = common.regression_data(16 * 6)
+    slow = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: time.sleep(0.05))
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                        callbacks=[slow, callbacks.Throughput(batch_size, verbose=0)])
     rate, step = history.history["examples_per_sec"][0], history.history["step_time_sec"][0]
-    assert rate > 0 and rate * step == pytest.approx(16)
+    assert 0.05 <= step < 0.5
+    assert rate == pytest.approx(16 / step, rel=1e-6)
 
 
 def test_throughput_asks_for_batch_size_when_it_cannot_count():

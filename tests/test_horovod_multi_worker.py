@@ -112,6 +112,15 @@ def test_step_counts_k_does_not_divide_are_the_users(job):
         common.assert_same_steps(counts["1"], counts["4"])
 
 
+def test_gradient_tape_with_fp16_compression_rounds_on_the_wire(job):
+    """Mean of 1/3 and 4/3 (5/6): float32 exactly, fp16 within float16's rounding, and not equal."""
+    for rank in (0, 1):
+        fp16, f32 = job.results[rank]["tape_fp16_gradient"]
+        assert f32 == pytest.approx(5 / 6, abs=1e-7)
+        assert fp16 == pytest.approx(5 / 6, abs=1e-3) and fp16 != f32  # it went through float16
+    assert job.results[0]["tape_fp16_gradient"] == job.results[1]["tape_fp16_gradient"]
+
+
 def test_loss_scaling_skips_on_every_process_when_one_overflows(job):
     # step 1 applied, step 2 overflowed on rank 1 only: both skipped it and halved the scale
     assert each(job, "loss_scale") == [[16384.0, 1, True]] * 2

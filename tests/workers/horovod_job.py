@@ -136,6 +136,16 @@ for step in range(common.EQUIVALENCE_STEPS):
     tape_step(x_mine[step * half:(step + 1) * half], y_mine[step * half:(step + 1) * half])
 payload["tape_weights"] = [w.tolist() for w in model.get_weights()]
 
+# DistributedGradientTape with fp16 on the wire: gradients 1/3 + r, which float16 rounds.
+third = tf.Variable([1.0])
+with tf.GradientTape() as fp16_tape:
+    fp16_loss = third * (1.0 / 3.0 + r)
+fp16_tape = hvd.DistributedGradientTape(fp16_tape, compression=hvd.Compression.fp16)
+payload["tape_fp16_gradient"] = [float(fp16_tape.gradient(fp16_loss, [third])[0].numpy()[0])]
+with tf.GradientTape() as f32_tape:
+    f32_loss = third * (1.0 / 3.0 + r)
+payload["tape_fp16_gradient"].append(float(hvd.DistributedGradientTape(f32_tape).gradient(f32_loss, [third])[0][0]))
+
 
 # Loss scaling: a gradient overflow on rank 1 only makes both ranks skip the step ---------------
 tf.keras.mixed_precision.set_global_policy("mixed_float16")
