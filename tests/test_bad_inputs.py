@@ -66,7 +66,7 @@ API_CASES = [
     ("collective value", lambda: collectives.allreduce("three"), TypeError,
      "tfdist collectives take a number, NumPy array or tensor"),
     ("broadcast root", lambda: collectives.broadcast(1.0, root_rank=3), ValueError,
-     "root_rank=3 is not a worker of this job"),
+     "root_rank=3 is not among the ranks taking part"),
     ("optimizer type", lambda: tfdist.DistributedOptimizer("adam"), TypeError,
      "DistributedOptimizer wraps a keras.optimizers.Optimizer"),
     ("accumulation steps", lambda: tfdist.DistributedOptimizer(sgd(), backward_passes_per_step=0), ValueError,

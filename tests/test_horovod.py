@@ -225,7 +225,7 @@ BAD_INPUTS = [
     ("compression", lambda: hvd.allreduce(1.0, compression="fp16"), TypeError,
      r"compression must be Compression.none, Compression.fp16 or an object with compress"),
     ("broadcast root", lambda: hvd.broadcast(tf.constant(1.0), root_rank=1), ValueError,
-     r"root_rank=1 is not a rank of this process set \(ranks \[0\]\)"),
+     r"root_rank=1 is not among the ranks taking part, \[0\]; pass one of them"),
     ("alltoall splits", lambda: hvd.alltoall(tf.range(4), splits=[3]), ValueError,
      r"alltoall splits must give one row count per rank \(1\) adding up to the first dimension \(4\); "
      r"received splits=\[3\]"),

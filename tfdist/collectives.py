@@ -82,7 +82,7 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], root_rank: int = 0,
                      strategy: tf.distribute.Strategy | None = None) -> list[np.ndarray]:
     """Broadcasts several arrays from ``root_rank`` in one collective; dtypes are kept."""
     group = job_group(strategy)
-    _check_root(group, root_rank)
+    root_rank = group.root_index(root_rank)
     arrays = [np.asarray(a) for a in arrays]
     results = group.grouped_broadcast([tf.constant(a) for a in arrays], root_rank, device="CPU")
     return [r.numpy().astype(a.dtype) for r, a in zip(results, arrays)]
@@ -103,13 +103,6 @@ def allgather(value: Any, strategy: tf.distribute.Strategy | None = None) -> Any
 def barrier(strategy: tf.distribute.Strategy | None = None) -> None:
     """Returns once every worker has called it."""
     job_group(strategy).barrier()
-
-
-def _check_root(group: process_group.ProcessGroup, root_rank: int) -> None:
-    workers = group.size
-    if not (isinstance(root_rank, int) and 0 <= root_rank < workers):
-        raise ValueError(f"root_rank={root_rank!r} is not a worker of this job; it has {workers} "
-                         f"worker(s): pass 0..{workers - 1}.")
 
 
 def _is_float(dtype) -> bool:

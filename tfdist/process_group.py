@@ -37,7 +37,7 @@ from tfdist import compression as compression_lib
 from tfdist import fusion
 from tfdist.errors import CollectiveMismatchError
 
-REDUCE_OPS = ("sum", "mean", "min", "max", "product")
+REDUCE_OPS = ("mean", "sum", "min", "max", "product")
 _MERGE_OPS = {"sum": "Add", "mean": "Add", "min": "Min", "max": "Max", "product": "Mul"}
 _KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "barrier")
 # Far above the small keys tf.distribute strategies count up from.
@@ -202,8 +202,8 @@ class ProcessGroup:
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         self._check_member("broadcast")
         if not (isinstance(root, (int, np.integer)) and 0 <= root < self.size):
-            raise ValueError(f"root_rank={root!r} is not a rank of this process set; it has {self.size} "
-                             f"rank(s): pass 0..{self.size - 1}.")
+            raise ValueError(f"root={root!r} is not an index into this group of {self.size} rank(s); "
+                             "ProcessGroup.root_index(rank) gives it.")
         if self.size == 1 or not tensors:
             return list(tensors)
         if tf.executing_eagerly():
@@ -277,6 +277,18 @@ class ProcessGroup:
         self._check_member("barrier")
         if self.size > 1:
             self._agree("barrier", [])
+
+    def root_index(self, root_rank: int) -> int:
+        """The index in this group of global rank ``root_rank`` (the job's group: the rank itself).
+
+        Raises:
+            ValueError: ``root_rank`` is not one of the group's ranks.
+        """
+        if not (isinstance(root_rank, (int, np.integer)) and not isinstance(root_rank, bool)
+                and root_rank in self.ranks):
+            raise ValueError(f"root_rank={root_rank!r} is not among the ranks taking part, {list(self.ranks)}; "
+                             "pass one of them.")
+        return self.ranks.index(int(root_rank))
 
     # Internals -------------------------------------------------------------------------------
 
@@ -406,6 +418,11 @@ def for_strategy(strategy: tf.distribute.Strategy) -> "ProcessGroup":
         hint = options.implementation.value if options is not None else "auto"
         _groups[key] = ProcessGroup(range(workers), worker_rank(strategy), timeout, hint)
     return _groups[key]
+
+
+def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
+    """Whether ``strategy`` spans more than one worker process."""
+    return strategy is not None and num_workers(strategy) > 1
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:

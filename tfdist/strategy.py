@@ -116,12 +116,9 @@ def adopt(strategy: tf.distribute.Strategy, origin: str) -> None:
 def current_multi_worker() -> tf.distribute.Strategy | None:
     """The process's multi-worker strategy, or None."""
     built = state.current_strategy()
-    return built if is_multi_worker(built) else None
+    return built if process_group.is_multi_worker(built) else None
 
 
-def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
-    """Whether ``strategy`` spans more than one worker process."""
-    return strategy is not None and process_group.num_workers(strategy) > 1
 
 
 def init(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,

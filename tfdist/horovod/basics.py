@@ -15,15 +15,12 @@ import warnings
 from typing import Sequence
 
 from tfdist import cluster as cluster_lib
+from tfdist import process_group
 
 # Horovod's reduce ops; the values are tfdist.process_group's names for them.
-Average = "mean"
-Sum = "sum"
-Min = "min"
-Max = "max"
-Product = "product"
-Adasum = "adasum"
-REDUCE_OPS = (Average, Sum, Min, Max, Product, Adasum)
+Average, Sum, Min, Max, Product = "mean", "sum", "min", "max", "product"  # process_group.REDUCE_OPS' names
+Adasum = "adasum"  # Horovod's; refused with a message
+REDUCE_OPS = (*process_group.REDUCE_OPS, Adasum)
 
 
 class ProcessSet:

@@ -100,7 +100,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set) -> tf.Tensor:
     """Returns rank ``root_rank``'s ``tensor`` on every rank (same shape everywhere)."""
     group = group_of(process_set, "broadcast")
-    root = _root_index(group, root_rank)
+    root = group.root_index(root_rank)
 
     def backward(upstream):
         # Every rank's gradient flows to the root's input (Horovod's broadcast gradient).
@@ -120,7 +120,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     """Assigns rank ``root_rank``'s values to ``variables`` on every rank (one collective per dtype)."""
     variables = list(variables)
     group = group_of(process_set, "broadcast_variables")
-    values = group.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], _root_index(group, root_rank))
+    values = group.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], group.root_index(root_rank))
     for variable, value in zip(variables, values):
         variable.assign(value)
 
@@ -128,7 +128,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 def broadcast_object(obj: Any, root_rank: int = 0, session=None, name=None, process_set=global_process_set) -> Any:
     """Returns rank ``root_rank``'s ``obj`` (anything picklable) on every rank. Eager only."""
     group = group_of(process_set, "broadcast_object")
-    root = _root_index(group, root_rank)
+    root = group.root_index(root_rank)
     payload = _to_bytes(obj) if group.rank == root else np.zeros(0, np.uint8)
     length = int(group.broadcast(tf.constant([payload.size], tf.int64), root).numpy()[0])
     if group.rank != root:
@@ -238,12 +238,6 @@ def _with_gradient(forward, backward, tensor, pass_input: bool = False):
 
     return collective(tensor)
 
-
-def _root_index(group, root_rank: int) -> int:
-    """A global ``root_rank`` as an index into ``group`` (Horovod's roots stay global with process sets)."""
-    if not (isinstance(root_rank, (int, np.integer)) and root_rank in group.ranks):
-        raise ValueError(f"root_rank={root_rank!r} is not a rank of this process set (ranks {list(group.ranks)}).")
-    return group.ranks.index(int(root_rank))
 
 
 def _to_bytes(obj: Any) -> np.ndarray:

@@ -9,17 +9,13 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
+from tfdist import process_group
 from tfdist.patching import Patch
 
 patch = Patch(
     "multi_worker_fit", "keras#20585 and tensorflow#72388",
     without="Keras fit/evaluate/predict under MultiWorkerMirroredStrategy fail with \"Attempt to convert a "
             "value (PerReplica...)\" and \"Invalid reduction dimension 0\".")
-
-
-def is_multi_worker(strategy) -> bool:
-    """Whether ``strategy`` is a MultiWorkerMirroredStrategy spanning several workers."""
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and strategy.extended._num_workers > 1
 
 
 def _first_local_value(value):
@@ -36,7 +32,7 @@ def _symbolic_build_from_local_batch(original, self, iterator=None, data_batch=N
     eagerly, which under MultiWorkerMirroredStrategy fails with "Attempt to convert a
     value (PerReplica...) to a Tensor". Only shapes and dtypes matter to the build.
     """
-    if not is_multi_worker(self._distribute_strategy):
+    if not process_group.is_multi_worker(self._distribute_strategy):
         return original(self, iterator=iterator, data_batch=data_batch)
     if iterator is not None:
         for *_, batches in iterator:  # (step, batches) before Keras 3.11, (begin, end, batches) since
@@ -56,7 +52,7 @@ def _reduce_per_replica_in_one_collective(original, values, strategy, reduction)
     own cross-worker collective every step (about 1.7 ms each on loopback). Scalars of one
     dtype are stacked per replica and reduced together; other values keep ``axis=0``.
     """
-    if not (is_multi_worker(strategy) and reduction in ("auto", "mean")):
+    if not (process_group.is_multi_worker(strategy) and reduction in ("auto", "mean")):
         return original(values, strategy, reduction)
     leaves = tree.flatten(values)
     groups: dict[tf.DType, list[int]] = {}
