@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfdist
 from tests.jobs import REPO, job_env
 from tests.workers import common
-from tfdist import callbacks, checkpoint, collectives
+from tfdist import atomic_files, callbacks, collectives
 
 NON_CHIEF = json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 1}})
 
@@ -268,7 +268,7 @@ def test_a_save_killed_midway_leaves_the_previous_complete_file(tmp_path):
     assert len(leftovers) == 1  # the half-written temporary file
     loaded = keras.saving.load_model(path)
     np.testing.assert_array_equal(np.concatenate([w.ravel() for w in loaded.get_weights()]), np.load(first))
-    checkpoint.atomic_write(lambda p: loaded.save(p), str(path))  # the next save clears the leftover
+    atomic_files.atomic_write(lambda p: loaded.save(p), str(path))  # the next save clears the leftover
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.keras", "first.npy"]
 
 

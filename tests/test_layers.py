@@ -10,12 +10,12 @@ PACKAGE = pathlib.Path(tfdist.__file__).resolve().parent
 
 # The first matching prefix decides a module's layer; tfdist/__init__.py (the root) wires them all.
 LAYERS = [
-    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "checkpoint", "run", "cli", "launch")),
-    (1, ("compression", "fusion")),
+    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "run", "cli", "launch")),
+    (1, ("compression", "fusion", "devices")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
     (4, ("keras_fixes", "tf_fixes", "runtime_hooks")),
-    (5, ("collectives", "topology", "optimizer", "callbacks", "data")),
+    (5, ("collectives", "ranks", "optimizer", "callbacks", "data")),
     (6, ("horovod", "ray_train", "bench", "doctor")),
 ]
 

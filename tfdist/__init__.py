@@ -17,14 +17,14 @@ Layers (each module imports only from its own layer or lower ones; tests/test_la
 checks it, imports inside functions included):
 
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
-   ``patching``, ``startup``, ``extras``, ``checkpoint``, the launcher (``run``, ``cli``,
+   ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
    ``launch/*``);
-1. TensorFlow primitives: ``compression``, ``fusion``;
+1. TensorFlow primitives: ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
-3. ``strategy`` (the factory; device specs);
+3. ``strategy`` (the factory);
 4. every change to Keras/TF internals, through ``patching.Patch``: ``keras_fixes/*``,
    ``tf_fixes``, ``runtime_hooks``;
-5. the public API: ``collectives`` (and finding the job), ``topology`` (rank helpers),
+5. the public API: ``collectives`` (and finding the job), ``ranks`` (rank helpers),
    ``optimizer``, ``callbacks``, ``data/*``;
 6. fronts that compose the rest: ``horovod/*``, ``ray_train``, ``bench/*``, ``doctor``.
 """
@@ -47,15 +47,15 @@ _EXPORTS = {
     "init": "tfdist.strategy",
     "StrategyError": "tfdist.strategy",
     "PrecisionError": "tfdist.precision",
-    "size": "tfdist.topology",
-    "rank": "tfdist.topology",
-    "local_rank": "tfdist.topology",
-    "local_size": "tfdist.topology",
-    "num_workers": "tfdist.topology",
-    "is_chief": "tfdist.topology",
-    "verbose": "tfdist.topology",
-    "print": "tfdist.topology",
-    "scale_lr": "tfdist.topology",
+    "size": "tfdist.ranks",
+    "rank": "tfdist.ranks",
+    "local_rank": "tfdist.ranks",
+    "local_size": "tfdist.ranks",
+    "num_workers": "tfdist.ranks",
+    "is_chief": "tfdist.ranks",
+    "verbose": "tfdist.ranks",
+    "print": "tfdist.ranks",
+    "scale_lr": "tfdist.ranks",
     "allreduce": "tfdist.collectives",
     "allgather": "tfdist.collectives",
     "broadcast": "tfdist.collectives",

@@ -25,7 +25,7 @@ from typing import Callable, Union
 import keras
 import numpy as np
 
-from tfdist import collectives, topology
+from tfdist import collectives, ranks
 
 ModelCheckpoint = keras.callbacks.ModelCheckpoint
 BackupAndRestore = keras.callbacks.BackupAndRestore
@@ -209,14 +209,14 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def _job_size(self) -> int:
         """How many times larger the final rate is than the first (replicas in sync)."""
-        return topology.size()
+        return ranks.size()
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.warmup_epochs - 1:
             self.model.optimizer.learning_rate = self.initial_lr
         super().on_epoch_end(epoch, logs)
         if epoch == self.warmup_epochs - 1 and self.verbose:
-            topology.print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
+            ranks.print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
 
 
 class Throughput(keras.callbacks.Callback):
@@ -273,5 +273,5 @@ class Throughput(keras.callbacks.Callback):
         if logs is not None:
             logs.update(stats)
         if self.verbose:
-            topology.print(f"Epoch {epoch + 1}: {stats['examples_per_sec']:.1f} examples/s, "
+            ranks.print(f"Epoch {epoch + 1}: {stats['examples_per_sec']:.1f} examples/s, "
                            f"{1000 * stats['step_time_sec']:.2f} ms/step")

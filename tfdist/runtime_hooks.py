@@ -32,7 +32,7 @@ from tensorflow.python.distribute import collective_all_reduce_strategy, multi_w
 from tensorflow.python.eager import context
 
 from tfdist import cluster as cluster_lib
-from tfdist import startup, state, tf_fixes
+from tfdist import devices, startup, state, tf_fixes
 from tfdist.errors import ClusterWarning
 from tfdist.patching import Patch
 
@@ -92,7 +92,7 @@ def _before_runtime_start() -> None:
     if cluster.is_multi_worker and state.current_strategy() is None:
         strategy_lib.build_at_runtime_start(f"before TensorFlow's first op ({state.runtime_started_at})")
     elif cpu_devices is not None:
-        strategy_lib.configure_cpu_devices(cpu_devices)
+        devices.configure_cpu_devices(cpu_devices)
 
 
 @one_multi_worker.replaces(_Strategy, "__new__", ("args", "kwargs"))  # object.__new__: the class defines none

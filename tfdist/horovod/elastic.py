@@ -31,7 +31,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
-from tfdist import checkpoint
+from tfdist import atomic_files
 from tfdist import cluster as cluster_lib
 from tfdist.horovod import basics, ops
 from tfdist.keras_fixes import callbacks as keras_fixes_callbacks
@@ -73,7 +73,7 @@ class State:
         if path is not None and self._rank() == 0:
             payload = pickle.dumps(self._payload(), protocol=pickle.HIGHEST_PROTOCOL)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            checkpoint.atomic_write(lambda temp: _write_bytes(temp, payload), path)
+            atomic_files.atomic_write(lambda temp: _write_bytes(temp, payload), path)
 
     def check_host_updates(self) -> None:
         """Nothing to check: no worker joins or leaves a running tfdist job."""

@@ -3,7 +3,7 @@
 Under a MultiWorkerMirroredStrategy of several workers (rank from the model's strategy):
 
 * ``ModelCheckpoint``, ``BackupAndRestore``: the chief writes the named files, every other
-  worker writes into a private temporary directory it deletes (``tfdist.checkpoint``); writes
+  worker writes into a private temporary directory it deletes (``tfdist.atomic_files``); writes
   to local paths are atomic. ``BackupAndRestore`` restores the chief's files on every
   worker, and a backup taken mid-epoch (``save_freq=N``) resumes at the next batch of
   that epoch, not at its start.
@@ -37,7 +37,7 @@ from keras.src.callbacks.tensorboard import TensorBoard
 from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
-from tfdist import checkpoint, process_group
+from tfdist import atomic_files, process_group
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -88,7 +88,7 @@ def _decide_like_every_worker(original, self, epoch, batch, logs, filepath):
 @patch.replaces(ModelCheckpoint, "_save_model", ("self", "epoch", "batch", "logs"))
 def _save_on_every_worker_keep_the_chiefs(original, self, epoch, batch, logs):
     filepath = self._get_file_path(epoch, batch, logs or {})
-    if not checkpoint.is_local(filepath):
+    if not atomic_files.is_local(filepath):
         return original(self, epoch, batch, logs)
     if os.path.isdir(filepath):
         raise IsADirectoryError(f"ModelCheckpoint needs a file path, but filepath={filepath!r} is an "
@@ -97,8 +97,8 @@ def _save_on_every_worker_keep_the_chiefs(original, self, epoch, batch, logs):
         return
     save = self.model.save_weights if self.save_weights_only else self.model.save
     rank = _workers(self.model)[0]
-    with checkpoint.worker_directory(os.path.dirname(os.path.abspath(filepath)), rank) as directory:
-        checkpoint.atomic_write(lambda path: save(path, overwrite=True),
+    with atomic_files.worker_directory(os.path.dirname(os.path.abspath(filepath)), rank) as directory:
+        atomic_files.atomic_write(lambda path: save(path, overwrite=True),
                                 os.path.join(directory, os.path.basename(filepath)))
     if self.verbose > 0 and rank == 0:
         print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
@@ -129,17 +129,17 @@ def _epoch_complete(original, self, epoch, logs=None):
 @patch.replaces(BackupAndRestore, "_save_model", ("self",))
 def _backup_on_every_worker_keep_the_chiefs(original, self):
     rank = _workers(self.model)[0]
-    if not checkpoint.is_local(self.backup_dir):
+    if not atomic_files.is_local(self.backup_dir):
         return original(self) if rank == 0 else None
-    with checkpoint.worker_directory(self.backup_dir, rank) as directory:
+    with atomic_files.worker_directory(self.backup_dir, rank) as directory:
         weights = os.path.join(directory, os.path.basename(self._weights_path))
         metadata = os.path.join(directory, os.path.basename(self._training_metadata_path))
         if self.double_checkpoint:
             for current in (weights, metadata):
                 if os.path.exists(current):
-                    checkpoint.atomic_write(lambda path, src=current: shutil.copyfile(src, path), f"{current}.bkp")
-        checkpoint.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
-        checkpoint.write_text(metadata, json.dumps({
+                    atomic_files.atomic_write(lambda path, src=current: shutil.copyfile(src, path), f"{current}.bkp")
+        atomic_files.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
+        atomic_files.write_text(metadata, json.dumps({
             "epoch": self._current_epoch, "batch": self._last_batch_seen,
             STEPS_DONE: getattr(self, "_tfdist_steps_done", 0)}))
 
@@ -149,7 +149,7 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
     global _pending_skip
     original(self, logs)  # Keras restores the weights and the epoch
     path = self._training_metadata_path
-    with_steps = checkpoint.is_local(path) and os.path.exists(path)
+    with_steps = atomic_files.is_local(path) and os.path.exists(path)
     _pending_skip = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
 
 

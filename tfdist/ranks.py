@@ -3,6 +3,11 @@
 ``rank()``, ``local_rank()``, ``num_workers()`` and ``is_chief()`` read the cluster
 from the environment and work before TensorFlow starts; ``size()`` counts replicas
 and so needs the strategy.
+
+What "size" counts: ``tfdist.size()`` is replicas in sync (as ``num_replicas_in_sync``:
+every device of every worker), the number the linear LR rule scales by under a strategy;
+``tfdist.num_workers()`` is worker processes; ``tfdist.horovod.size()`` is processes (as in
+Horovod, where each process drives one device); ``ProcessGroup.size`` is processes.
 """
 
 from __future__ import annotations
