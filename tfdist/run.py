@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from tfdist.errors import LaunchError
-from tfdist.launch import local, nodes
+from tfdist.launch import local, nodes, supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
     parser.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to R times when one fails")
     parser.add_argument("--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
-    parser.add_argument("--start-timeout", type=float, default=local.DEFAULT_START_TIMEOUT,
+    parser.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT,
                         help="stop the job when its workers have not all joined the tfdist cluster this many "
                              "seconds after the first tried (default: %(default)s)")
     parser.add_argument("--no-fixes", action="store_true",
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = _check_args(args)
     except LaunchError as err:
         parser.error(str(err))
-    settings = local.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
+    settings = supervisor.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
                                     hide_tf_logs=not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ,
                                     horovod=args.horovod)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,

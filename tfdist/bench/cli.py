@@ -13,6 +13,7 @@ from typing import Sequence
 
 from tfdist import cluster, extras
 from tfdist.launch import local as launcher
+from tfdist.launch import supervisor
 from tfdist.bench.config import BenchConfig, BenchError, parse_config
 from tfdist.data.records import DataError
 
@@ -54,7 +55,7 @@ def _bench_locally(config: BenchConfig) -> int:
                 code = launcher.launch(
                     [sys.executable, "-m", "tfdist.bench.runner", config_path, str(replicas), str(batch), out_path,
                      pattern or ""],
-                    num_workers=1, settings=launcher.WorkerSettings(cpu_devices=None if gpus else replicas))
+                    num_workers=1, settings=supervisor.WorkerSettings(cpu_devices=None if gpus else replicas))
                 if code:
                     print(f"tfdist bench: the run with {replicas} replica(s) at batch {batch} failed "
                           f"(exit {code}); its output is above.", file=sys.stderr)

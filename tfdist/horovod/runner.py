@@ -23,7 +23,7 @@ import types
 import warnings
 from typing import Callable, Sequence
 
-from tfdist.launch import local
+from tfdist.launch import local, supervisor
 
 _CALL = "call.pkl"
 _MAIN = "main.json"
@@ -101,9 +101,9 @@ def run(func: Callable, args: Sequence = (), kwargs: dict | None = None, num_pro
         with open(os.path.join(workdir, _CALL), "wb") as f:
             f.write(payload)
         command = [executable or sys.executable, "-c", _WORKER_CODE, workdir]
-        code = local.launch(command, num_workers=num_proc, settings=local.WorkerSettings(horovod=True),
+        code = local.launch(command, num_workers=num_proc, settings=supervisor.WorkerSettings(horovod=True),
                             max_restarts=reset_limit or 0,
-                            start_timeout=start_timeout if start_timeout is not None else local.DEFAULT_START_TIMEOUT)
+                            start_timeout=start_timeout if start_timeout is not None else supervisor.DEFAULT_START_TIMEOUT)
         if code != 0:
             raise RuntimeError(f"hvd.run: the job failed with exit code {code}; the workers' output is above.")
         results = []

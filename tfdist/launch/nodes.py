@@ -28,7 +28,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.errors import NodeError
-from tfdist.launch import local, master as master_lib, output, wire
+from tfdist.launch import local, master as master_lib, output, supervisor, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
 _CONNECT_RETRY_SECONDS = 0.5
@@ -43,15 +43,15 @@ class _MasterSaid(Exception):
 
 
 def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple[str, int], token: str,
-           num_workers: int, settings: local.WorkerSettings = local.WorkerSettings(), base_port: int | None = None,
+           num_workers: int, settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
            host_address: str | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = 5.0, start_timeout: float = local.DEFAULT_START_TIMEOUT,
+           grace_period: float = 5.0, start_timeout: float = supervisor.DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None) -> int:
     """Runs this node's share of a multi-node job (and, on node 0, the master); returns the exit code."""
     out = out or sys.stdout.buffer
     say = functools.partial(output.say, out, who=f"tfdist run [node {node_rank}/{nnodes}]")
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, local._raise_stop) if in_main_thread else None
+    previous_handler = signal.signal(signal.SIGTERM, supervisor.raise_stop) if in_main_thread else None
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     try:
         if node_rank == 0:
@@ -90,7 +90,7 @@ class _Node:
         self.deadline = None if timeout is None else self.began + timeout
         self.inbox: queue.Queue = queue.Queue()
         self.channel: wire.Channel | None = None
-        self.workers: list[local._Worker] = []
+        self.workers: list[supervisor.Worker] = []
         self.attempt = 0
         self.last_ping = 0.0
         self.reported = False
@@ -113,11 +113,11 @@ class _Node:
                     self.say(message["reason"])
                     self._send({"type": "ports", "attempt": self.attempt, "ports": self._ports()})
                 elif kind == "end":
-                    summary = f" ({local._summary(self.workers, self.began)})" if self.workers else ""
+                    summary = f" ({supervisor.summary(self.workers, self.began)})" if self.workers else ""
                     self.say(f"{message['message']}{summary}")
                     return int(message["exit_code"])
-        except (local._Stop, KeyboardInterrupt) as stop:  # a signal between rounds, or while joining
-            stop = stop if isinstance(stop, local._Stop) else local._Stop("interrupted", local.EXIT_INTERRUPTED)
+        except (supervisor.Stop, KeyboardInterrupt) as stop:  # a signal between rounds, or while joining
+            stop = stop if isinstance(stop, supervisor.Stop) else supervisor.Stop("interrupted", supervisor.EXIT_INTERRUPTED)
             self.last_words = f"node {self.node_rank}: {stop}"
             self._report_over({"message": self.last_words, "exit_code": stop.exit_code, "restartable": False})
             self.say(f"{stop}; stopped this node's workers")
@@ -220,8 +220,8 @@ class _Node:
         except _MasterSaid as said:
             if said.message.get("type") == "end":
                 self.inbox.put(said.message)  # handled by run()
-        except local._Stop as stop:  # --timeout, the start watchdog, or a signal to this launcher
-            if stop.exit_code in (local.EXIT_INTERRUPTED, 128 + signal.SIGTERM):
+        except supervisor.Stop as stop:  # --timeout, the start watchdog, or a signal to this launcher
+            if stop.exit_code in (supervisor.EXIT_INTERRUPTED, 128 + signal.SIGTERM):
                 raise  # run() reports it and leaves
             failure = {"message": f"node {self.node_rank}: {stop}", "exit_code": stop.exit_code, "restartable": False}
         self._report_over(failure, port_clash=any(w.saw_port_clash for w in self.workers))
@@ -236,9 +236,9 @@ class _Node:
         for rank, code in zip(self.ranks, codes):
             if code not in (None, 0) and not self.reported:
                 self.reported = True  # before this node stops its other workers: the master stops every node
-                failure = local._Failure(rank, code)
+                failure = supervisor.Failure(rank, code)
                 self._send({"type": "failed", "attempt": self.attempt, "restartable": True,
-                            "message": f"worker {rank} on node {self.node_rank} {local.describe_exit(code)}",
+                            "message": f"worker {rank} on node {self.node_rank} {supervisor.describe_exit(code)}",
                             "exit_code": failure.exit_code})
         message = self._next(block=False)
         if message is not None and message.get("type") in ("stop", "end"):

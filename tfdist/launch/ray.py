@@ -6,7 +6,7 @@ process with the environment local ``tfdist run`` gives (TF_CONFIG over the acto
 node addresses, ranks, tfdist's start-up hook), in the launcher's working directory when
 that exists on its node. The launcher prefixes the workers' output with their rank,
 watches their exit codes, stops all when one fails and restarts them together, through
-the same loop as local ``tfdist run`` (``local.launch`` with Ray as its ``hosts``); each
+the same loop as local ``tfdist run`` (``supervisor.launch`` with Ray as its ``hosts``); each
 attempt gets fresh actors in the same placement group.
 
 With no ADDRESS, ``ray.init()`` decides as Ray always does: ``RAY_ADDRESS``, a cluster
@@ -31,7 +31,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster, extras
 from tfdist.errors import RayLaunchError
-from tfdist.launch import local, output
+from tfdist.launch import local, output, supervisor
 
 EXIT_NO_RAY = 2
 _POLL_SECONDS = 0.5
@@ -55,7 +55,7 @@ class WorkerHost:
 
     def start(self, command: Sequence[str], addresses: Sequence[str], index: int, settings: dict, restart: int,
               cwd: str, env_extra: dict[str, str]) -> None:
-        env = local.worker_env(addresses, index, local.WorkerSettings(**settings), restart, self.status_dir)
+        env = local.worker_env(addresses, index, supervisor.WorkerSettings(**settings), restart, self.status_dir)
         env.update(env_extra)
         self.process = subprocess.Popen(list(command), env=env, cwd=cwd if os.path.isdir(cwd) else None,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -137,7 +137,7 @@ class _RemoteProcess:
 
 
 class _RayHosts:
-    """``local.launch``'s ``hosts``: every attempt's workers on fresh actors of one placement group."""
+    """``supervisor.launch``'s ``hosts``: every attempt's workers on fresh actors of one placement group."""
 
     def __init__(self, ray, num_workers: int, cpus: float, gpus: float, start_timeout: float):
         from ray.util.placement_group import placement_group
@@ -170,18 +170,18 @@ class _RayHosts:
         lock = threading.Lock()
         hosts = [address.rsplit(":", 1)[0] for address in addresses]
 
-        def start(index: int) -> local._Worker:
+        def start(index: int) -> supervisor.Worker:
             actor = self.actors[index]
             position = {cluster.ENV_LOCAL_RANK: str(hosts[:index].count(hosts[index])),
                         cluster.ENV_LOCAL_SIZE: str(hosts.count(hosts[index]))}
             self.ray.get(actor.start.remote(command, addresses, index, dataclasses.asdict(settings), restart,
                                             self.cwd, position))
             process = _RemoteProcess(self.ray, actor)
-            return local.relay_output(local._Worker(index, process), process, settings, out, lock)
+            return supervisor.relay_output(supervisor.Worker(index, process), process, settings, out, lock)
 
-        watch = local._StartWatch(lambda: set().union(*(w.process.marks for w in workers)),
+        watch = supervisor.StartWatch(lambda: set().union(*(w.process.marks for w in workers)),
                                   range(len(addresses)), start_timeout)
-        return local._run_once(workers, start, len(addresses), deadline, grace_period, watch)
+        return supervisor.run_once(workers, start, len(addresses), deadline, grace_period, watch)
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -200,9 +200,9 @@ class _RayHosts:
 
 
 def launch(command: Sequence[str], *, address: str | None, num_workers: int,
-           settings: local.WorkerSettings = local.WorkerSettings(), base_port: int | None = None,
+           settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
            timeout: float | None = None, max_restarts: int = 0, grace_period: float = 5.0,
-           start_timeout: float = local.DEFAULT_START_TIMEOUT, cpus_per_worker: float | None = None,
+           start_timeout: float = supervisor.DEFAULT_START_TIMEOUT, cpus_per_worker: float | None = None,
            gpus_per_worker: float | None = None, out: IO[bytes] | None = None) -> int:
     """Runs the job on Ray (the cluster at ``address``, or Ray's default); returns the exit code."""
     out = out or sys.stdout.buffer
@@ -224,11 +224,11 @@ def launch(command: Sequence[str], *, address: str | None, num_workers: int,
         output.say(out, f"Ray cluster at {context.address_info.get('gcs_address') or address}; placing "
                         f"{num_workers} workers ({cpus:g} CPU{f', {gpus:g} GPU' if gpus else ''} each)")
         hosts = _RayHosts(ray, num_workers, cpus, gpus, start_timeout)
-        return local.launch(command, num_workers, settings, base_port, timeout, max_restarts, grace_period,
+        return supervisor.launch(command, num_workers, settings, base_port, timeout, max_restarts, grace_period,
                             start_timeout, out, hosts=hosts)
     except RayLaunchError as err:
         output.say(out, str(err))
-        return local.EXIT_TIMEOUT
+        return supervisor.EXIT_TIMEOUT
     finally:
         if hosts is not None:
             hosts.close()
