@@ -3,10 +3,10 @@
 A ``Patch`` groups the replacements of one fix (methods, functions or properties: a
 property's getter is what gets replaced), the attributes it adds (``adds``: the library
 must not have them), and the private methods a tfdist subclass overrides (``overrides``:
-checked, not replaced; the subclass asks ``apply()`` before it relies on them). ``apply()`` first checks every internal it
-replaces (present, with the parameters tfdist was written against); if one is missing or
-changed, it applies none of them and warns once, naming the library and its version, the internal,
-and what will not work without the fix. Each replacement receives the original as its
+checked, not replaced; the subclass asks ``apply()`` before it relies on them).
+``apply()`` first checks every internal it replaces (present, with the parameters tfdist
+was written against); if one is missing or changed, it applies none of them and warns once,
+naming the library and its version, the internal, and what will not work without the fix. Each replacement receives the original as its
 first argument; ``original_of(patched)`` returns it (tests use it to show the bug).
 """
 
@@ -107,7 +107,6 @@ class Patch:
             setattr(replacement.owner, replacement.attribute, patched)
         self.applied = True
         return True
-
 
     def restore(self) -> None:
         """Puts the originals back, for a patch needed only until something happened (idempotent)."""
