@@ -11,17 +11,19 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``loss_scale``: LossScaleOptimizer skips a step when any replica overflows.
 * ``callbacks``: Keras' checkpoint, logging and early-stopping callbacks on several
   workers (tensorflow#38635).
+* ``replica_state``: BatchNormalization's moving statistics (any non-trainable layer
+  weight) are the mean over replicas and workers, as in tf.keras.
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
   (keras#19246), and ``"auto"``: tfdist picks K.
 """
 
 from __future__ import annotations
 
-from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, steps_per_execution
+from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, replica_state, steps_per_execution
 from tfdist.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
 
-PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
-                              steps_per_execution.auto_patch)
+PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, replica_state.patch,
+                              steps_per_execution.patch, steps_per_execution.auto_patch)
 
 __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", "original_of"]
 
