@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist  # noqa: F401  (applies the Keras fixes)
+from tests.workers import common
 from tfdist.keras_fixes import replica_state
 
 MOMENTUM = 0.5
@@ -53,26 +54,8 @@ def test_moving_statistics_are_the_mean_over_replicas_on_every_replica():
     assert not np.allclose(expected_mean[0], expected_mean[1])  # the replicas saw different statistics
 
 
-def _cnn(synchronized):
-    import keras
-
-    keras.utils.set_random_seed(3)
-    return keras.Sequential([
-        keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(synchronized=synchronized),
-        keras.layers.ReLU(), keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
-
-
 def _train_cnn(strategy, synchronized=True, epochs=2):
-    import keras
-
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(64, 8, 8, 1)).astype("float32") + np.repeat(np.arange(4), 16)[:, None, None, None]
-    y = rng.integers(0, 3, size=64)
-    with strategy.scope():
-        model = _cnn(synchronized)
-        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
-    return model, history.history["loss"]
+    return common.train_batchnorm_cnn(strategy, synchronized, epochs)
 
 
 def test_synchronized_batchnorm_on_two_devices_equals_one_device():

@@ -68,3 +68,31 @@ def train_equivalence(strategy=None, steps_per_execution: int = 1) -> list[np.nd
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     model.fit(dataset, epochs=1, shuffle=False, verbose=0)
     return model.get_weights()
+
+
+def batchnorm_data():
+    """64 small images in 4 brightness groups (so batch statistics differ per shard), 3 classes."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8, 8, 1)).astype("float32") + np.repeat(np.arange(4), 16)[:, None, None, None]
+    return x, rng.integers(0, 3, size=64)
+
+
+def train_batchnorm_cnn(strategy=None, synchronized: bool = False, epochs: int = 2, callbacks=()):
+    """A MobileNetV2-like block at toy size (Conv2D, BatchNormalization, ReLU, pooling, Dense), global batch 16.
+
+    Returns the model and its loss history.
+    """
+    import keras
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    x, y = batchnorm_data()
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
+            keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.ReLU(),
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model, history.history["loss"]
