@@ -20,6 +20,7 @@ from typing import Any, Callable
 # The releases tfdist's fixes were checked against (see README, "Versions").
 TESTED_KERAS = "3.10 to 3.15"
 TESTED_TENSORFLOW = "2.21"
+TESTED_RAY = "2.60"
 
 
 class KerasCompatibilityWarning(UserWarning):
@@ -60,8 +61,8 @@ class Patch:
         for replacement in self.replacements:
             self.problem = _check(replacement)
             if self.problem:
-                title, tested = {"keras": ("Keras", TESTED_KERAS), "tensorflow": ("TensorFlow", TESTED_TENSORFLOW)}[
-                    self.library]
+                title, tested = {"keras": ("Keras", TESTED_KERAS), "tensorflow": ("TensorFlow", TESTED_TENSORFLOW),
+                                 "ray": ("Ray", TESTED_RAY)}[self.library]
                 version = importlib.import_module(self.library).__version__
                 warnings.warn(
                     f"tfdist cannot apply its fix for {self.issue} ({self.name}) to {title} {version}: "

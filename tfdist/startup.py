@@ -9,6 +9,7 @@ Arming imports nothing heavy; it watches imports:
   multi-worker strategy just before TensorFlow's runtime starts (so ``tfdist.scope()``
   works after a tf.data pipeline was built) and makes a script's own
   ``tf.distribute.MultiWorkerMirroredStrategy()`` the same object as tfdist's;
+* when ``ray.train`` has been imported: ``tfdist.ray_fixes`` (only the chief's checkpoint reaches Ray);
 * with ``aliases`` (``tfdist run --horovod``): extra module names that resolve to tfdist
   modules, e.g. ``horovod.tensorflow.keras`` -> ``tfdist.horovod``.
 
@@ -66,6 +67,7 @@ def arm(aliases: Mapping[str, str] | None = None) -> None:
             sys.meta_path.insert(0, _Finder())
             after_import("keras", _apply_keras_fixes)
             after_import("tensorflow", _install_runtime_hooks)
+            after_import("ray.train", _apply_ray_fixes)
 
 
 def after_import(name: str, callback: Callable[[], None]) -> None:
@@ -109,6 +111,12 @@ def _apply_keras_fixes() -> None:
         from tfdist import keras_fixes
 
         keras_fixes.apply_all()
+
+
+def _apply_ray_fixes() -> None:
+    from tfdist import ray_fixes
+
+    ray_fixes.patch.apply()
 
 
 def _install_runtime_hooks() -> None:
