@@ -5,6 +5,10 @@ carries one extra float: 0 from a rank still training, 1 from a rank that joined
 in the gradients' own fused collective, so it costs no extra round trip. A rank in
 ``join()`` repeats the all-reduces its optimizers made in their last step (same shapes,
 same collective keys), contributing zeros, until that float says every rank has joined.
+With a ``DistributedOptimizer`` the repeat is the optimizer's own ``apply`` of zero
+gradients, so the joined rank also applies the others' average and every rank ends with
+the same weights; after a ``DistributedGradientTape`` loop, broadcast from the rank
+``join`` returns (the last to join has every update), as Horovod users do.
 The average divides by ``size()``, joined ranks included, as Horovod does: Horovod's
 ``EnqueueTensorAllreduces`` turns Average into ``postscale_factor /= size`` (horovod/common/
 operations.cc) and its controller fills joined ranks' tensors with zeros.
