@@ -13,6 +13,7 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
   workers (tensorflow#38635).
 * ``replica_state``: BatchNormalization's moving statistics (any non-trainable layer
   weight) are the mean over replicas and workers, as in tf.keras.
+* ``uneven``: per-worker data of different lengths: every worker runs the longest's steps.
 * ``xla``: ``compile(jit_compile=True)`` over several CPU replicas is a clear error
   (keras#18145, keras#21366).
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
@@ -21,11 +22,13 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 
 from __future__ import annotations
 
-from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, replica_state, steps_per_execution, xla
+from tfdist.keras_fixes import (callbacks, loss_scale, multi_worker, replica_state, steps_per_execution, uneven,
+                                xla)
 from tfdist.patching import TESTED_KERAS, KerasCompatibilityWarning, Patch, original_of
 
 PATCHES: tuple[Patch, ...] = (multi_worker.patch, loss_scale.patch, callbacks.patch, replica_state.patch,
-                              steps_per_execution.patch, steps_per_execution.auto_patch, xla.patch)
+                              steps_per_execution.patch, steps_per_execution.auto_patch, xla.patch,
+                              uneven.patch)
 
 __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", "original_of"]
 
