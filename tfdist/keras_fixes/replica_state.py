@@ -12,6 +12,9 @@ with no collective per step. A moving average is linear, so the mean of the copi
 moving average of the replicas' mean batch statistics, as tf.keras read it. The variables
 stay plain mirrored ones: reading them needs no collective, so a chief-only
 ``model.save`` still works. Custom training loops call ``average_replica_state(model)``.
+A mid-epoch save (``ModelCheckpoint(save_freq=N)``) holds the last epoch's mean plus the
+saving worker's own updates since. Frozen layers' weights are averaged too (a no-op: equal
+everywhere), at one all-reduce per epoch.
 """
 
 from __future__ import annotations
