@@ -233,8 +233,6 @@ BAD_INPUTS = [
      r"reducescatter splits the first dimension, so it needs a tensor of rank >= 1"),
     ("global variables", lambda: hvd.broadcast_global_variables(0), RuntimeError,
      r"hvd.broadcast_global_variables\(\) needs TF1 graph mode .* use hvd.broadcast_variables\(model.variables"),
-    ("sync batch norm", lambda: hvd.SyncBatchNormalization, AttributeError,
-     r"tfdist.horovod has no SyncBatchNormalization: use keras.layers.BatchNormalization\(synchronized=True\)"),
     ("run on other hosts", lambda: hvd.run(print, np=2, hosts="a:2,b:2"), ValueError,
      r"hvd.run\(hosts='a:2,b:2'\) names 'a', but hvd.run starts workers on this machine only; on several "
      r"machines start 'tfdist run --nnodes N --node-rank K --master ADDR:PORT -n P -- python train.py' on each"),

@@ -14,7 +14,7 @@ LAYERS = [
     (1, ("compression", "fusion", "devices")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
-    (4, ("keras_fixes", "tf_fixes", "runtime_hooks")),
+    (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes")),
     (5, ("collectives", "ranks", "optimizer", "callbacks", "data")),
     (6, ("horovod", "ray_train", "bench", "doctor")),
 ]

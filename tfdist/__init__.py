@@ -22,8 +22,8 @@ checks it, imports inside functions included):
 1. TensorFlow primitives: ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
-4. every change to Keras/TF internals, through ``patching.Patch``: ``keras_fixes/*``,
-   ``tf_fixes``, ``runtime_hooks``;
+4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
+   ``tf_fixes``, ``runtime_hooks``, ``ray_fixes``;
 5. the public API: ``collectives`` (and finding the job), ``ranks`` (rank helpers),
    ``optimizer``, ``callbacks``, ``data/*``;
 6. fronts that compose the rest: ``horovod/*``, ``ray_train``, ``bench/*``, ``doctor``.
@@ -84,8 +84,14 @@ def _install_runtime_hooks() -> None:
     runtime_hooks.install()
 
 
+def _apply_ray_fixes() -> None:
+    from tfdist import ray_fixes
+
+    ray_fixes.patch.apply()
+
+
 _startup.record_import_site()
-_startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks})
+_startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks, "ray.train": _apply_ray_fixes})
 
 
 def __getattr__(name: str):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from tfdist.errors import KerasCompatibilityWarning
 
 # The releases tfdist's fixes were checked against, as (oldest, newest) (major, minor) (see README, "Versions").
-TESTED_RANGES = {"keras": ((3, 10), (3, 15)), "tensorflow": ((2, 21), (2, 21))}
+TESTED_RANGES = {"keras": ((3, 10), (3, 15)), "tensorflow": ((2, 21), (2, 21)), "ray": ((2, 60), (2, 60))}
 
 
 def tested_range(library: str) -> str:
@@ -40,6 +40,7 @@ def is_tested(library: str, version: str) -> bool:
 
 TESTED_KERAS = tested_range("keras")
 TESTED_TENSORFLOW = tested_range("tensorflow")
+TESTED_RAY = tested_range("ray")
 
 
 @dataclasses.dataclass
@@ -86,8 +87,8 @@ class Patch:
         for replacement in self.replacements:
             self.problem = _check(replacement)
             if self.problem:
-                title, tested = {"keras": ("Keras", TESTED_KERAS), "tensorflow": ("TensorFlow", TESTED_TENSORFLOW)}[
-                    self.library]
+                title = {"keras": "Keras", "tensorflow": "TensorFlow", "ray": "Ray"}[self.library]
+                tested = tested_range(self.library)
                 version = importlib.import_module(self.library).__version__
                 warnings.warn(
                     f"tfdist cannot apply its fix for {self.issue} ({self.name}) to {title} {version}: "

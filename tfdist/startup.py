@@ -11,6 +11,7 @@ imports and runs each hook once its module has been imported:
   just before TensorFlow's runtime starts (so ``tfdist.scope()`` works after a tf.data
   pipeline was built) and makes a script's own ``tf.distribute.MultiWorkerMirroredStrategy()``
   the same object as tfdist's;
+* ``ray.train``: ``tfdist.ray_fixes`` (only the chief's checkpoint reaches Ray);
 * with ``aliases`` (``tfdist run --horovod``): extra module names that resolve to tfdist
   modules, e.g. ``horovod.tensorflow.keras`` -> ``tfdist.horovod``.
 

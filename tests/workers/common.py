@@ -121,3 +121,82 @@ def assert_same_steps(one: dict, k: dict) -> None:
         assert len(k["batches"][kind]) == len(one["batches"][kind])
         for seen, every in zip(k["batches"][kind], one["batches"][kind]):
             assert set(seen) <= set(every) and seen[-1] == every[-1], (kind, seen, every)
+
+
+def batchnorm_data():
+    """64 small images in 4 brightness groups (so batch statistics differ per shard), 3 classes."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8, 8, 1)).astype("float32") + np.repeat(np.arange(4), 16)[:, None, None, None]
+    return x, rng.integers(0, 3, size=64)
+
+
+def train_batchnorm_cnn(strategy=None, synchronized: bool = False, epochs: int = 2, callbacks=()):
+    """A MobileNetV2-like block at toy size (Conv2D, BatchNormalization, ReLU, pooling, Dense), global batch 16.
+
+    Returns the model and its loss history.
+    """
+    import keras
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    x, y = batchnorm_data()
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
+            keras.layers.BatchNormalization(synchronized=synchronized), keras.layers.ReLU(),
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model, history.history["loss"]
+
+
+JOIN_BATCH = 4
+JOIN_LR = 0.05
+
+
+def join_start():
+    """The linear model's starting weights (kernel 3x1, bias) for the join tests."""
+    return [np.array([[0.5], [-0.3], [0.1]], "float32"), np.array([0.2], "float32")]
+
+
+def join_data(seed: int, batches: int):
+    """``batches`` batches of JOIN_BATCH rows of a linear regression, different per seed."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batches * JOIN_BATCH, 3)).astype("float32")
+    return x, (x @ np.array([[1.0], [2.0], [-1.0]]) + 0.5).astype("float32")
+
+
+def join_by_hand(datasets, lr: float = JOIN_LR):
+    """SGD on a linear model with Horovod's join: a rank out of batches adds zeros; the mean divides by all ranks."""
+    kernel, bias = (w.astype("float64") for w in join_start())
+    for step in range(max(len(x) for x, _ in datasets) // JOIN_BATCH):
+        grads = []
+        for x, y in datasets:
+            rows = slice(step * JOIN_BATCH, (step + 1) * JOIN_BATCH)
+            if rows.start >= len(x):
+                grads.append((np.zeros_like(kernel), np.zeros_like(bias)))
+                continue
+            error = x[rows] @ kernel + bias - y[rows]
+            grads.append((2 * x[rows].T @ error / JOIN_BATCH, 2 * error.mean(0)))
+        kernel = kernel - lr * sum(g[0] for g in grads) / len(datasets)
+        bias = bias - lr * sum(g[1] for g in grads) / len(datasets)
+    return [kernel, bias]
+
+
+def sync_bn_data():
+    """48 rows, 3 features with different scales: 3 global batches of 16."""
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(48, 3)) * [1.0, 3.0, 0.5] + [0.0, 5.0, -2.0]).astype("float32")
+    return x, rng.normal(size=(48, 1)).astype("float32")
+
+
+def sync_bn_model(batch_norm):
+    """BatchNormalization first, then Dense(1) with fixed weights."""
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), batch_norm, keras.layers.Dense(1)])
+    weights = model.get_weights()
+    weights[-2:] = [np.array([[0.3], [-0.2], [0.4]], "float32"), np.zeros(1, "float32")]
+    model.set_weights(weights)
+    return model

@@ -28,13 +28,14 @@ from tfdist.horovod.ops import (allgather, allgather_object, allreduce, alltoall
                                 rank_op, reducescatter, size_op)
 from tfdist.horovod.optimizer import DistributedGradientTape, DistributedOptimizer, load_model
 from tfdist.horovod.runner import run
+from tfdist.horovod.sync_batch_norm import SyncBatchNormalization
 from tfdist.horovod import callbacks, elastic  # noqa: E402  (hvd.callbacks, hvd.elastic)
 
 _keras_compat.apply()
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max", "Min",
-    "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall",
+    "ProcessSet", "Product", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall",
     "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_variables",
     "callbacks", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
     "global_process_set", "gloo_built", "gloo_enabled", "gpu_available", "grouped_allgather",
@@ -46,8 +47,6 @@ __all__ = [
 
 # Horovod names with no tfdist counterpart, and what to do instead.
 _NOT_SUPPORTED = {
-    "SyncBatchNormalization": "use keras.layers.BatchNormalization(synchronized=True) under tfdist.scope() "
-                              "(tf.distribute), or plain BatchNormalization per process",
     "PartialDistributedGradientTape": "use hvd.DistributedGradientTape and apply local layers' gradients from "
                                       "a second, plain tf.GradientTape",
     "BroadcastGlobalVariablesHook": "TF1 session hooks do not exist in TensorFlow 2: use "

@@ -10,7 +10,6 @@ and inside ``tf.function``; the ``*_object`` functions and ``join`` are eager.
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -173,15 +172,15 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
 
 
 def join() -> tf.Tensor:
-    """Waits until every rank has called it; returns the rank that arrived last. Eager only.
+    """Call when this rank has no more data: until every rank joined, it takes part in the others'
+    gradient all-reduces with zeros (the average still divides by ``size()``, as Horovod's does).
 
-    Unlike Horovod's, ranks that joined early do not stand in for the others' pending
-    all-reduces: every rank must have made the same collective calls before it joins
-    (give every rank the same number of steps).
+    Returns the last rank to join, the same on every rank. Eager only; see ``tfdist.horovod.uneven``
+    for what a joined rank stands in for.
     """
-    group = group_of(global_process_set, "join")
-    arrivals = group.allgather(tf.constant([time.time()], tf.float64)).numpy()
-    return tf.constant(int(np.argmax(arrivals)), tf.int32)
+    from tfdist.horovod import uneven as join_lib
+
+    return tf.constant(join_lib.join(group_of(global_process_set, "join")), tf.int32)
 
 
 def size_op(process_set_id: int = 0, name=None) -> tf.Tensor:

@@ -27,6 +27,7 @@ from tfdist import compression as compression_lib
 from tfdist import optimizer as optimizer_lib
 from tfdist import process_group
 from tfdist.compression import Compression
+from tfdist.horovod import uneven as join_lib
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
 from tfdist.patching import Patch
@@ -83,26 +84,89 @@ class GradientReduction:
         self.process_set = process_set
         self.keys = process_group.KeyCache()
         self._flag_keys = process_group.KeyCache()
+        self._signature: list = []  # (shape, dtype) of the gradients of the last step, for hvd.join()
+        self._sparse = self._finite_checked = self._eager = False
+        self._stand_in = None
+        self._flag, self._last_count = join_lib.ACTIVE, None
+        self.optimizer = None  # the DistributedOptimizer it belongs to, if any (hvd.join applies its updates)
 
     def reduce(self, gradients: list) -> list:
         """The gradients combined across the process set; None entries stay None."""
+        join_lib.record(self)
         present = [i for i, g in enumerate(gradients) if g is not None]
         tensors = [gradients[i] for i in present]
         if self.sparse_as_dense:
             tensors = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in tensors]
-        group = group_of(self.process_set, "DistributedOptimizer")
-        reduced = group.grouped_allreduce(tensors, self.op, self.prescale, self.postscale, self.compression,
-                                          keys=self.keys)
+        self._sparse = self._sparse or any(isinstance(t, tf.IndexedSlices) for t in tensors)
+        self._signature = [(t.shape, t.dtype) for t in tensors]
+        self._eager = tf.executing_eagerly()
+        join_lib.count_step(self)
+        reduced, self._last_count = self._reduce(tensors, self._flag)
         result = list(gradients)
         for i, value in zip(present, reduced):
             result[i] = value
         return result
+
+    def _reduce(self, tensors: list, joined: float) -> tuple[list, tf.Tensor | None]:
+        """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count."""
+        group = group_of(self.process_set, "DistributedOptimizer")
+        flags = [tf.constant(joined, tf.float32)] if group.size > 1 else []
+        reduced = group.grouped_allreduce(tensors + flags, self.op, self.prescale, self.postscale, self.compression,
+                                          keys=self.keys)
+        if not flags:
+            return reduced, None
+        scale = self.prescale * self.postscale / (group.size if self.op == Average else 1)
+        return reduced[:-1], reduced[-1] / scale
+
+    def stand_in(self) -> tf.Tensor:
+        """One step with zero gradients, flagged joined; returns how many ranks have joined.
+
+        With a DistributedOptimizer the step is its ``apply``: the joined rank applies the
+        average the others computed, so every rank ends with the same weights and slots.
+        Otherwise (a DistributedGradientTape) it is the all-reduce alone.
+        """
+        if self._stand_in is None:
+            step = self._apply_zeros if self._can_apply() else self._reduce_zeros
+            # Eagerly when the rank's own steps ran eagerly: the collectives (and their checks) must match.
+            self._stand_in = step if self._eager else tf.function(step)
+        self._flag = join_lib.JOINED
+        try:
+            return self._stand_in()
+        finally:
+            self._flag = join_lib.ACTIVE
+
+    def _can_apply(self) -> bool:
+        optimizer = self.optimizer
+        if optimizer is None or (optimizer.gradient_accumulation_steps or 1) > 1:
+            return False
+        variables = list(getattr(optimizer, "_trainable_variables", None) or [])
+        return [(tuple(v.shape), tf.as_dtype(v.dtype)) for v in variables] == [
+            (tuple(shape), tf.as_dtype(dtype)) for shape, dtype in self._signature]
+
+    def _apply_zeros(self) -> tf.Tensor:
+        variables = list(self.optimizer._trainable_variables)
+        self.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables], variables)
+        return self._last_count
+
+    def _reduce_zeros(self) -> tf.Tensor:
+        return self._reduce([tf.zeros(shape, dtype) for shape, dtype in self._signature], join_lib.JOINED)[1]
+
+    def check_joinable(self) -> None:
+        """Raises ValueError when ``hvd.join()`` cannot stand in for this reduction."""
+        if self._sparse:
+            raise ValueError("hvd.join() cannot stand in for all-reduces of sparse gradients (tf.IndexedSlices, "
+                             "gathered, not summed): pass sparse_as_dense=True to hvd.DistributedOptimizer or "
+                             "hvd.DistributedGradientTape.")
+        if self._finite_checked:
+            raise ValueError("hvd.join() cannot stand in for a LossScaleOptimizer's all-reduced finite check: give "
+                             "every rank the same number of steps, or train without loss scaling.")
 
     def all_finite(self, finite: tf.Tensor) -> tf.Tensor:
         """True when ``finite`` is True on every rank of the process set (loss scaling's skip decision)."""
         group = group_of(self.process_set, "DistributedOptimizer")
         if group.size == 1:
             return finite
+        self._finite_checked = True
         flag = tf.cast(tf.logical_not(finite), tf.float32)
         not_finite = group.grouped_allreduce([flag], "sum", keys=self._flag_keys)[0]
         return tf.equal(not_finite, 0.0)
@@ -185,6 +249,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
                                   groups=_groups(groups, num_groups))
     distributed = optimizer_lib._distributed_class(type(optimizer), _AllReduceBeforeUpdate).from_config(config)
     distributed._tfdist_reduction = reduction
+    reduction.optimizer = distributed
     return distributed
 
 
@@ -257,4 +322,5 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
         # loaded slot values stay as they are.
         target.__class__ = optimizer_lib._distributed_class(type(target), _AllReduceBeforeUpdate)
         target._tfdist_reduction = GradientReduction(compression=compression, aggregation_scale=float(steps))
+        target._tfdist_reduction.optimizer = target
     return model

@@ -12,6 +12,11 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``callbacks``: Keras' checkpoint, logging and early-stopping callbacks on several
   workers (tensorflow#38635).
 * ``precision_check``: ``fit`` warns about half-precision outputs once tfdist set a mixed policy.
+* ``replica_state``: BatchNormalization's moving statistics (any non-trainable layer
+  weight) are the mean over replicas and workers, as in tf.keras.
+* ``uneven``: per-worker data of different lengths: every worker runs the longest's steps.
+* ``xla``: ``compile(jit_compile=True)`` over several CPU replicas is a clear error
+  (keras#18145, keras#21366).
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
   (keras#19246); the last call of an epoch runs only the steps left (Keras runs K);
   and ``"auto"``: tfdist picks K.
@@ -27,10 +32,12 @@ __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", 
 def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
-    from tfdist.keras_fixes import callbacks, loss_scale, multi_worker, precision_check, steps_per_execution
+    from tfdist.keras_fixes import (callbacks, loss_scale, multi_worker, precision_check, replica_state,
+                                    steps_per_execution, uneven, xla)
 
-    return (multi_worker.patch, loss_scale.patch, callbacks.patch, steps_per_execution.patch,
-            steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, precision_check.patch)
+    return (multi_worker.patch, loss_scale.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
+            steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, xla.patch, uneven.patch,
+            precision_check.patch)
 
 
 def apply_all() -> None:

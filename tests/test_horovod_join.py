@@ -1,0 +1,52 @@
+"""``hvd.join()`` with uneven data on 2 real ranks, checked against NumPy; ``hvd.SyncBatchNormalization``."""
+
+import keras
+import numpy as np
+import pytest
+
+from tests.jobs import run_job
+from tests.workers import common
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_job("horovod_join_job.py", tmp_path_factory.mktemp("join"), timeout=240).check()
+
+
+def test_fit_with_fewer_batches_on_rank_1_joins_with_horovods_average(job):
+    first, second = job.results[0], job.results[1]
+    for a, b in zip(first["fit_weights"], second["fit_weights"]):
+        np.testing.assert_array_equal(a, b)
+    want = common.join_by_hand([common.join_data(0, 10), common.join_data(1, 6)])
+    for got, expected in zip(first["fit_weights"], want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert first["fit_last"] == second["fit_last"] == 0  # rank 0 had more batches: it joined last
+
+
+def test_tf_function_loop_with_distributed_gradient_tape_joins(job):
+    first, second = job.results[0], job.results[1]
+    for a, b in zip(first["loop_weights"], second["loop_weights"]):
+        np.testing.assert_array_equal(a, b)
+    want = common.join_by_hand([common.join_data(2, 3), common.join_data(3, 5)])
+    for got, expected in zip(first["loop_weights"], want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert first["loop_last"] == second["loop_last"] == 1
+    assert not np.allclose(first["loop_weights_at_join"][0], second["loop_weights_at_join"][0])  # before broadcast
+
+
+def test_sync_batch_normalization_on_two_ranks_equals_one_process_on_the_global_batch(job):
+    x, y = common.sync_bn_data()
+    reference = common.sync_bn_model(keras.layers.BatchNormalization(momentum=0.5))
+    reference.compile(keras.optimizers.SGD(0.1), "mse")
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for rank in (0, 1):
+        for got, want in zip(job.results[rank]["sync_bn_weights"], reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_normalization_refuses_fused():
+    import tfdist.horovod as hvd
+
+    with pytest.raises(ValueError, match=r"SyncBatchNormalization does not support fused=True: pass fused=False"):
+        hvd.SyncBatchNormalization(fused=True)
+    assert hvd.SyncBatchNormalization(momentum=0.9, epsilon=1e-3).get_config()["momentum"] == 0.9

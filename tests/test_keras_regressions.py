@@ -1,0 +1,59 @@
+"""What Keras 3 users report broken under strategies, pinned on 2 logical devices (the 2-worker metric
+average, keras#19280, is in tests/test_uneven_fit_multi_worker.py)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist  # noqa: F401  (applies the Keras fixes)
+
+
+def _model():
+    import keras
+
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+
+
+def test_a_replica_with_an_empty_last_batch_gives_no_nan_metrics():
+    """keras#21467: 17 rows at batch 8 leave 1 row for 2 replicas: one replica gets none."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(17, 3)).astype("float32"), rng.normal(size=(17, 1)).astype("float32")
+    with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        model = _model()
+        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae", keras.metrics.RootMeanSquaredError()])
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y))
+    for name, values in history.history.items():
+        assert np.isfinite(values).all(), (name, values)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    result = model.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    error = model.predict(x, batch_size=8, verbose=0) - y
+    assert result["mae"] == pytest.approx(np.abs(error).mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+def test_jit_compile_under_mirrored_strategy_on_cpus_is_a_clear_error(loss_scale):
+    """keras#21366 (LossScaleOptimizer + jit_compile=True under MirroredStrategy) and keras#18145; also the canary:
+    the check replaces Trainer.compile, which Keras' Model.compile must still be."""
+    import keras
+
+    with tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope():
+        model = _model()
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer) if loss_scale else optimizer
+        with pytest.raises(ValueError, match=r"compile\(jit_compile=True\) cannot run under a strategy over 2 CPU "
+                                             r"devices: XLA .* Received: jit_compile=True. Pass jit_compile=False"):
+            model.compile(optimizer, "mse", jit_compile=True)
+        model.compile(optimizer, "mse")  # "auto": Keras turns XLA off under a strategy, and it trains
+    x = np.ones((8, 3), "float32")
+    assert np.isfinite(model.fit(x, x[:, :1], batch_size=8, verbose=0).history["loss"]).all()
+
+
+def test_jit_compile_on_one_device_still_works():
+    import keras
+
+    model = _model()
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse", jit_compile=True)
+    x = np.ones((8, 3), "float32")
+    assert np.isfinite(model.fit(x, x[:, :1], batch_size=8, verbose=0).history["loss"]).all()

@@ -1,0 +1,79 @@
+"""``hvd.join()``: ranks that ran out of data stand in for the others' gradient all-reduces with zeros.
+
+Every gradient all-reduce of a ``DistributedOptimizer`` or ``DistributedGradientTape``
+carries one extra float: 0 from a rank still training, 1 from a rank that joined; it rides
+in the gradients' own fused collective, so it costs no extra round trip. A rank in
+``join()`` repeats the all-reduces its optimizers made in their last step (same shapes,
+same collective keys), contributing zeros, until that float says every rank has joined.
+With a ``DistributedOptimizer`` the repeat is the optimizer's own ``apply`` of zero
+gradients, so the joined rank also applies the others' average and every rank ends with
+the same weights; after a ``DistributedGradientTape`` loop, broadcast from the rank
+``join`` returns (the last to join has every update), as Horovod users do.
+The average divides by ``size()``, joined ranks included, as Horovod does: Horovod's
+``EnqueueTensorAllreduces`` turns Average into ``postscale_factor /= size`` (horovod/common/
+operations.cc) and its controller fills joined ranks' tensors with zeros.
+
+Limits: a joined rank stands in for gradient all-reduces only (not for ``hvd.allreduce``
+of metrics, broadcasts or a LossScaleOptimizer's finite check), and only after it made
+at least one step itself (it learns the gradients' shapes there). Sparse gradients need
+``sparse_as_dense=True``, as with Horovod's join.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+JOINED, ACTIVE = 1.0, 0.0
+
+# Every GradientReduction that reduced gradients in this process, in order of first use. Strong
+# references: a DistributedGradientTape's reduction lives on a tape that is gone after tracing,
+# while the traced step goes on running its all-reduce.
+_used: list = []
+
+
+def record(reduction) -> None:
+    """Notes that ``reduction`` reduces gradients every step (``join`` repeats its all-reduce)."""
+    if not any(known is reduction for known in _used):
+        _used.append(reduction)
+
+
+def count_step(reduction) -> None:
+    """Counts the reduction's all-reduces at run time (inside a tf.function too), so ``join`` knows which ran."""
+    if getattr(reduction, "_join_steps", None) is None:
+        with tf.init_scope():
+            reduction._join_steps = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False,
+                                                                           name="tfdist_join_steps")
+            reduction._join_seen = 0
+    reduction._join_steps.assign_add(1)
+
+
+def used_reductions() -> list:
+    """The live reductions that ran since the last ``join``, in order of first use."""
+    return [r for r in _used if int(r._join_steps.numpy()) > r._join_seen]
+
+
+def join(group) -> int:
+    """Stands in with zeros until every rank of ``group`` joined; returns the last rank to join (eager).
+
+    Raises:
+        ValueError: a reduction this rank would stand in for had sparse gradients or a
+            LossScaleOptimizer's finite check (named in the message).
+    """
+    reductions = used_reductions()
+    for reduction in reductions:
+        reduction.check_joinable()
+    rounds = 0
+    if reductions and group.size > 1:
+        while True:
+            rounds += 1
+            counts = [int(round(float(reduction.stand_in()))) for reduction in reductions]
+            if counts[0] >= group.size:
+                break
+    for reduction in reductions:
+        reduction._join_seen = int(reduction._join_steps.numpy())
+    # The ranks that stood in for the fewest rounds joined last; among those, the highest (Horovod's order).
+    everyone = group.allgather(tf.constant([rounds], tf.int64)).numpy()
+    last = np.flatnonzero(everyone == everyone.min())
+    return int(group.ranks[int(last[-1])])
