@@ -7,7 +7,12 @@ Sources, in order of precedence:
 
 * ``TF_CONFIG`` (TensorFlow's own format; ``tfdist run`` writes it too, together with
   the ``TFDIST_*`` rank variables, and is then reported as source ``"tfdist"``);
-* SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...);
+* MPI launchers: Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``),
+  MPICH and Intel MPI (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``): rank and size come
+  from here; the workers' addresses are exchanged over MPI when the strategy is built
+  (``tfdist.launch.mpi``), so ``worker_addresses`` is empty for source ``"mpi"``;
+* SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...; also what
+  ``srun --mpi=pmix`` sets);
 * nothing: a single worker.
 """
 
@@ -63,7 +68,8 @@ class ClusterInfo:
         local_size: workers on this host.
         is_chief: whether this worker writes checkpoints, logs and results.
         worker_addresses: "host:port" of every worker, in rank order.
-        source: "tf_config", "tfdist", "slurm" or "none".
+        source: "tf_config", "tfdist", "mpi", "slurm" or "none". For "mpi" the addresses
+            are empty until ``tfdist.launch.mpi.exchange_addresses`` asks every rank.
     """
 
     num_workers: int = 1
@@ -93,8 +99,17 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
         ClusterConfigError: TF_CONFIG or the SLURM variables are malformed.
     """
     env = os.environ if env is None else env
+    mpi = _from_mpi(env)
     if env.get("TF_CONFIG", "").strip():
-        return _from_tf_config(env)
+        info = _from_tf_config(env)
+        if mpi is not None and mpi.num_workers != info.num_workers:
+            raise ClusterConfigError(
+                f"MPI started {mpi.num_workers} rank(s) ({mpi_size_variable(env)}={mpi.num_workers}) but TF_CONFIG "
+                f"describes {info.num_workers} worker(s): start as many MPI ranks as TF_CONFIG has workers "
+                f"(mpirun -np {info.num_workers}), or unset TF_CONFIG and let tfdist build the cluster over MPI.")
+        return info
+    if mpi is not None:
+        return mpi
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _from_slurm(env)
     return ClusterInfo()
@@ -160,6 +175,35 @@ def _from_tf_config(env: Mapping[str, str]) -> ClusterInfo:
         worker_addresses=addresses,
         source=source,
     )
+
+
+# (rank, size, local rank, local size) variables of each MPI launcher family.
+_MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def mpi_size_variable(env: Mapping[str, str]) -> str | None:
+    """The MPI variable that holds the job's size in ``env`` (None outside an MPI launcher)."""
+    return next((size for rank, size, _, _ in _MPI_VARIABLES if rank in env and size in env), None)
+
+
+def _from_mpi(env: Mapping[str, str]) -> ClusterInfo | None:
+    """Rank, size and local rank from an MPI launcher's variables; None when no MPI launcher set them."""
+    for rank_var, size_var, local_rank_var, local_size_var in _MPI_VARIABLES:
+        if rank_var in env and size_var in env:
+            break
+    else:
+        return None
+    size, rank = _int_var(env, size_var, 1), _int_var(env, rank_var, 0)
+    if not 0 <= rank < size:
+        raise ClusterConfigError(f"{rank_var}={rank} is out of range for {size_var}={size}; start the script "
+                                 "with mpirun/mpiexec, which sets both.")
+    local_rank = _int_var(env, local_rank_var, 0)
+    return ClusterInfo(num_workers=size, worker_index=rank, local_rank=local_rank,
+                       local_size=max(_int_var(env, local_size_var, 1), local_rank + 1),
+                       is_chief=rank == 0, worker_addresses=(), source="mpi")
 
 
 def _tf_config_error(message: str) -> ClusterConfigError:

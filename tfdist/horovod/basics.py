@@ -103,6 +103,10 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         raise ValueError(f"hvd.init(comm=...) takes None or the list of all {cluster.num_workers} rank(s); received "
                          f"comm={comm!r}. tfdist has no MPI communicators: start only the processes you need "
                          "(tfdist run -n N), or use hvd.ProcessSet for collectives among some ranks.")
+    if cluster.source == "mpi":
+        from tfdist.launch import mpi
+
+        mpi.check_comm(cluster, mpi.comm_world())  # fail now, not at TensorFlow's first op
     startup.arm()  # the collective runtime is built just before TensorFlow's first op
     if cluster.is_multi_worker:
         from tfdist import strategy as strategy_lib
@@ -238,7 +242,7 @@ def group_of(process_set: ProcessSet, name: str):
 # Build flags and timeline -----------------------------------------------------------------------
 
 def mpi_threads_supported() -> bool:
-    """False: tfdist uses no MPI."""
+    """False: tfdist's collectives do not run over MPI (MPI only starts the job and shares addresses)."""
     _cluster("mpi_threads_supported")
     return False
 
