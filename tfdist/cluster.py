@@ -30,6 +30,8 @@ ENV_NUM_WORKERS = "TFDIST_NUM_WORKERS"
 ENV_LOCAL_RANK = "TFDIST_LOCAL_RANK"
 ENV_LOCAL_SIZE = "TFDIST_LOCAL_SIZE"
 ENV_CPU_DEVICES = "TFDIST_CPU_DEVICES"
+# The TF_CONFIG ``tfdist run`` gave the worker: a script that sets another one itself is stopped.
+ENV_LAUNCHER_TF_CONFIG = "TFDIST_TF_CONFIG"
 # Set by a multi-node ``tfdist run --nnodes M``: this worker's node, and how many nodes.
 ENV_NODE_RANK = "TFDIST_NODE_RANK"
 ENV_NUM_NODES = "TFDIST_NUM_NODES"
@@ -55,6 +57,10 @@ _EXAMPLE_TF_CONFIG = (
 
 class ClusterConfigError(ValueError):
     """The environment describes a cluster that tfdist cannot use."""
+
+
+class TFConfigChangedError(ClusterConfigError):
+    """A script under ``tfdist run`` set a TF_CONFIG of its own that differs from the launcher's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +105,7 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
         ClusterConfigError: TF_CONFIG or the SLURM variables are malformed.
     """
     env = os.environ if env is None else env
+    check_tf_config_unchanged(env)
     mpi = _from_mpi(env)
     if env.get("TF_CONFIG", "").strip():
         info = _from_tf_config(env)
@@ -204,6 +211,44 @@ def _from_mpi(env: Mapping[str, str]) -> ClusterInfo | None:
     return ClusterInfo(num_workers=size, worker_index=rank, local_rank=local_rank,
                        local_size=max(_int_var(env, local_size_var, 1), local_rank + 1),
                        is_chief=rank == 0, worker_addresses=(), source="mpi")
+
+
+def check_tf_config_unchanged(env: Mapping[str, str] | None = None) -> None:
+    """Raises TFConfigChangedError when TF_CONFIG differs from the one ``tfdist run`` gave this worker.
+
+    The same cluster and task written differently (spacing, key order) is not a change.
+    """
+    env = os.environ if env is None else env
+    given, now = env.get(ENV_LAUNCHER_TF_CONFIG), env.get("TF_CONFIG", "")
+    if given is None or now == given:
+        return
+    try:
+        if json.loads(now) == json.loads(given):
+            return
+    except json.JSONDecodeError:
+        pass
+    raise TFConfigChangedError(
+        f"TF_CONFIG was changed inside this worker{_lines_setting_tf_config()}: it is {now!r}, but `tfdist run` "
+        f"gave this worker {given!r}. tfdist run sets TF_CONFIG for every worker (each its own task index and "
+        "port); a TF_CONFIG fixed in the script gives every worker the same one. Fix: delete the line that sets "
+        "os.environ['TF_CONFIG'] (or set it only when it is missing: os.environ.setdefault), or start the script "
+        "without tfdist run, once per machine, as the TensorFlow guide does.")
+
+
+def _lines_setting_tf_config() -> str:
+    """' (train.py:11)' : the lines of the main script that assign TF_CONFIG, or '' when none is found."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(path, encoding="utf-8") as script:
+            lines = script.read().splitlines()
+    except (OSError, TypeError, UnicodeDecodeError):
+        return ""
+    found = [f"{os.path.basename(path)}:{number}" for number, line in enumerate(lines, 1)
+             if "TF_CONFIG" in line and ("=" in line.split("TF_CONFIG", 1)[1][:4] or "putenv" in line
+                                         or "update" in line) and not line.lstrip().startswith("#")]
+    return f" ({', '.join(found)}: {lines[int(found[0].rsplit(':', 1)[1]) - 1].strip()})" if found else ""
 
 
 def _tf_config_error(message: str) -> ClusterConfigError:
