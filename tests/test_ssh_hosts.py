@@ -153,3 +153,53 @@ def test_unreachable_host_is_an_error_naming_it(hosts, tmp_path):
     assert "could not start node 1 (10.77.0.99, over ssh) over ssh (ssh exited with 255: " in output, output[-3000:]
     assert "the host is up and reachable" in output
     assert nothing_left_running(hosts)
+
+
+def start_sleepers(hosts, out):
+    """A -H job of toy workers that sleep; returns the launcher once both workers have started."""
+    made, keys = hosts
+    command = made[0].command([
+        sys.executable, "-m", "tfdist.run", "-H", f"{made[0].address}:1,{made[1].address}:1", "--ssh-port",
+        str(SSH_PORT), "--ssh-identity-file", str(keys / "user_key"), "--ssh-config-file", str(keys / "ssh_config"),
+        "--timeout", "120", "--grace-period", "2", "--", sys.executable, str(WORKERS / "toy_worker.py"), str(out),
+        "sleep"])
+    launcher = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    end = time.monotonic() + 60
+    while not all((out / f"pid{rank}.0").exists() for rank in (0, 1)):
+        assert launcher.poll() is None and time.monotonic() < end, launcher.stdout.read()
+        time.sleep(0.2)
+    return launcher
+
+
+def finish(launcher, timeout=60):
+    try:
+        output, _ = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        output, _ = launcher.communicate()
+        raise AssertionError(f"the launcher did not stop within {timeout}s:\n{output[-3000:]}")
+    return launcher.returncode, output
+
+
+def test_ctrl_c_stops_every_hosts_workers(hosts, tmp_path):
+    launcher = start_sleepers(hosts, tmp_path)
+    launcher.send_signal(signal.SIGINT)
+    code, output = finish(launcher)
+    assert code == 130, output[-3000:]
+    assert "interrupted" in output
+    assert nothing_left_running(hosts)
+
+
+def test_a_dead_host_stops_the_other_hosts_workers_naming_it(hosts, tmp_path):
+    made, keys = hosts
+    launcher = start_sleepers(hosts, tmp_path)
+    sshd = (keys / "sshd.pid").read_text().strip()
+    for pid in subprocess.run(["ip", "netns", "pids", made[1].namespace], capture_output=True, text=True).stdout.split():
+        if pid != sshd:  # the host "dies": its launcher, its workers, its ssh session
+            os.kill(int(pid), signal.SIGKILL)
+    code, output = finish(launcher)
+    assert code != 0
+    assert f"lost node 1 ({made[1].address}, over ssh): its launcher or ssh connection exited" in output, output[-3000:]
+    assert "stopped all workers" in output and "[hosts]: could not start" not in output
+    assert nothing_left_running(hosts)

@@ -172,14 +172,17 @@ def _watch(members: Sequence[_Host], coordinator: master_lib.Master, grace_perio
             codes[host.rank] = code
             if code != 0 and coordinator.phase != "ended":
                 host.reader.join(timeout=2)
-                coordinator.stop(code if code != _EXIT_SSH else 1, _died(host, code))
+                coordinator.stop(code if code != _EXIT_SSH else 1, _died(host, code, host.rank in coordinator.nodes))
         time.sleep(0.1)
     failed = [code for code in codes.values() if code != 0]
     return failed[0] if failed else 0
 
 
-def _died(host: _Host, code: int) -> str:
+def _died(host: _Host, code: int, joined: bool) -> str:
     said = " | ".join(line for line in host.tail if line) or "no output"
+    if joined:
+        return (f"lost {host.describe()}: its launcher {'or ssh connection ' if not host.local else ''}exited with "
+                f"code {code} ({said}); stopped all workers")
     if not host.local and code == _EXIT_SSH:
         return (f"could not start {host.describe()} over ssh (ssh exited with 255: {said}); check that "
                 f"`ssh {host.name} true` works without a password prompt (BatchMode: keys or an agent, "
