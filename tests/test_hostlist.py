@@ -78,3 +78,8 @@ def test_two_local_hosts_train_one_job_with_equal_weights(tmp_path):
     assert workers[0]["final_weights"] == workers[1]["final_weights"]
     logs = workers[0]["fits"][-1]["epoch_logs"]
     assert logs[-1]["loss"] < logs[0]["loss"]
+
+
+def test_ssh_options_without_hosts_are_an_error_saying_to_add_them():
+    result = run("-n", "1", "-x", "FOO", "--", sys.executable, "-c", "print('ran')")
+    assert result.returncode == 2 and "-x apply to hosts started over ssh: add -H HOST:N,... or --hostfile" in result.stderr

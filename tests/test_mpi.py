@@ -125,3 +125,19 @@ def test_tfdist_scope_under_mpirun_trains_one_model_on_two_workers(tmp_path):
     logs = workers[0]["fits"][-1]["epoch_logs"]
     assert logs[-1]["loss"] < logs[0]["loss"]
     assert [p.name for p in (tmp_path / "model").iterdir()] == ["multi_worker_model.keras"]
+
+
+@needs_mpirun
+def test_real_mpirun_without_mpi4py_stops_every_rank_with_the_error(tmp_path):
+    hidden = tmp_path / "hide" / "mpi4py"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('No module named mpi4py (hidden by the test)')\n")
+    script = tmp_path / "train.py"
+    script.write_text("import tfdist.horovod as hvd\nhvd.init()\nprint('size', hvd.size(), flush=True)\n")
+    env = job_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                   "PYTHONPATH": f"{tmp_path / 'hide'}:{REPO}"})
+    result = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, timeout=120, start_new_session=True)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "size" not in result.stdout  # never two jobs of size 1
+    assert 'mpi4py cannot be imported' in output and 'pip install "tfdist[mpi]"' in output, output[-3000:]

@@ -77,11 +77,11 @@ def _wait_for_sshd(made, sshd):
     raise RuntimeError("sshd did not listen within 10 s")
 
 
-def launch(hosts, out, *args, key="user_key", host_list=None, env=None):
+def launch(hosts, out, *args, key="user_key", where=None, env=None):
     made, keys = hosts
-    host_list = host_list or f"{made[0].address}:1,{made[1].address}:1"
+    where = where or ["-H", f"{made[0].address}:1,{made[1].address}:1"]
     command = made[0].command([
-        sys.executable, "-m", "tfdist.run", "-H", host_list, "--ssh-port", str(SSH_PORT),
+        sys.executable, "-m", "tfdist.run", *where, "--ssh-port", str(SSH_PORT),
         "--ssh-identity-file", str(keys / key), "--ssh-config-file", str(keys / "ssh_config"),
         "--timeout", str(TIMEOUT - 30), "--grace-period", "2", "--start-timeout", "60", *args, "--",
         sys.executable, str(WORKERS / "horovod_example_job.py"), str(out), str(REPO / "examples" / "multi_worker_fit.py"),
@@ -147,7 +147,9 @@ def test_ssh_auth_refused_is_an_error_naming_the_host_and_the_fix(hosts, tmp_pat
 
 def test_unreachable_host_is_an_error_naming_it(hosts, tmp_path):
     made, _ = hosts
-    result = launch(hosts, tmp_path, host_list=f"{made[0].address}:1,10.77.0.99:1")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{made[0].address} slots=1\n10.77.0.99 slots=1\n")
+    result = launch(hosts, tmp_path, where=["--hostfile", str(hostfile)])
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert "could not start node 1 (10.77.0.99, over ssh) over ssh (ssh exited with 255: " in output, output[-3000:]

@@ -192,9 +192,9 @@ def _check_several_machines(args: argparse.Namespace) -> None:
 def _hosts(args: argparse.Namespace) -> list[tuple[str, int]] | None:
     """(host, workers) of each host of a -H/--hostfile job, in rank order; None for other jobs."""
     if not (args.hosts or args.hostfile):
-        if args.ssh_port is not None or args.ssh_identity_file or args.ssh_config_file:
-            raise LaunchError("--ssh-port, --ssh-identity-file and --ssh-config-file apply to hosts started over ssh: "
-                              "add -H HOST:N,... or --hostfile FILE.")
+        if args.ssh_port is not None or args.ssh_identity_file or args.ssh_config_file or args.env:
+            raise LaunchError("--ssh-port, --ssh-identity-file, --ssh-config-file and -x apply to hosts started over "
+                              "ssh: add -H HOST:N,... or --hostfile FILE.")
         return None
     if args.hosts and args.hostfile:
         raise LaunchError("-H and --hostfile both list the hosts: give one of them.")
