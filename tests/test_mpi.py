@@ -141,3 +141,17 @@ def test_real_mpirun_without_mpi4py_stops_every_rank_with_the_error(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "size" not in result.stdout  # never two jobs of size 1
     assert 'mpi4py cannot be imported' in output and 'pip install "tfdist[mpi]"' in output, output[-3000:]
+
+
+@needs_mpirun
+def test_horovod_shape_under_mpirun(tmp_path):
+    script = tmp_path / "shape.py"
+    script.write_text("import tfdist.horovod as hvd\nhvd.init()\nprint('shape', hvd.rank(), [hvd.size(), "
+                      "hvd.local_size(), hvd.local_rank() == hvd.rank(), hvd.cross_size(), hvd.cross_rank(), "
+                      "hvd.is_homogeneous()], flush=True)\n")
+    env = job_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    result = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", sys.executable, str(script)], env=env,
+                            capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    shapes = sorted(line for line in result.stdout.splitlines() if line.startswith("shape"))
+    assert shapes == ["shape 0 [2, 2, True, 1, 0, True]", "shape 1 [2, 2, True, 1, 0, True]"]

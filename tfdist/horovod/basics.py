@@ -103,10 +103,10 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         raise ValueError(f"hvd.init(comm=...) takes None or the list of all {cluster.num_workers} rank(s); received "
                          f"comm={comm!r}. tfdist has no MPI communicators: start only the processes you need "
                          "(tfdist run -n N), or use hvd.ProcessSet for collectives among some ranks.")
-    if cluster.source == "mpi":
+    if cluster.source == "mpi":  # every rank's host, for local_*/cross_*; fails now without mpi4py
         from tfdist.launch import mpi
 
-        mpi.check_comm(cluster, mpi.comm_world())  # fail now, not at TensorFlow's first op
+        cluster = dataclasses.replace(cluster, worker_addresses=mpi.exchange_addresses(cluster))
     startup.arm()  # the collective runtime is built just before TensorFlow's first op
     if cluster.is_multi_worker:
         from tfdist import strategy as strategy_lib

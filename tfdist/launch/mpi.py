@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 from tfdist import cluster as cluster_lib
 
+_agreed: tuple[str, ...] | None = None  # this process's exchange, reused: every rank exchanges once
+
 INSTALL_HINT = 'pip install "tfdist[mpi]" (mpi4py, built for the MPI that runs mpirun)'
 
 
@@ -42,10 +44,17 @@ def check_comm(info: cluster_lib.ClusterInfo, comm: Any) -> None:
 def exchange_addresses(info: cluster_lib.ClusterInfo, comm: Any = None) -> tuple[str, ...]:
     """Every rank's "host:port", in rank order, agreed over MPI (a collective: every rank must call it).
 
+    The first exchange over ``MPI.COMM_WORLD`` is kept: ``hvd.init()`` exchanges, and the strategy
+    built later reuses its addresses.
+
     Args:
         info: this process's place in the job (source "mpi").
         comm: an mpi4py communicator (default: ``MPI.COMM_WORLD``).
     """
+    global _agreed
+    if comm is None and _agreed is not None:
+        return _agreed
+    world = comm is None
     comm = comm_world() if comm is None else comm
     check_comm(info, comm)
     hostnames = comm.allgather(socket.gethostname())
@@ -56,7 +65,10 @@ def exchange_addresses(info: cluster_lib.ClusterInfo, comm: Any = None) -> tuple
         port = sock.getsockname()[1]
     finally:
         sock.close()
-    return tuple(comm.allgather(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+    addresses = tuple(comm.allgather(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"))
+    if world:
+        _agreed = addresses
+    return addresses
 
 
 def _address_towards(hostnames: Sequence[str], rank: int) -> str:
