@@ -77,12 +77,12 @@ def _wait_for_sshd(made, sshd):
     raise RuntimeError("sshd did not listen within 10 s")
 
 
-def launch(hosts, out, *args, key="user_key", where=None, env=None):
+def launch(hosts, out, *args, key="user_key", where=None, env=None, config="ssh_config"):
     made, keys = hosts
     where = where or ["-H", f"{made[0].address}:1,{made[1].address}:1"]
     command = made[0].command([
         sys.executable, "-m", "tfdist.run", *where, "--ssh-port", str(SSH_PORT),
-        "--ssh-identity-file", str(keys / key), "--ssh-config-file", str(keys / "ssh_config"),
+        "--ssh-identity-file", str(keys / key), "--ssh-config-file", str(keys / config),
         "--timeout", str(TIMEOUT - 30), "--grace-period", "2", "--start-timeout", "60", *args, "--",
         sys.executable, str(WORKERS / "horovod_example_job.py"), str(out), str(REPO / "examples" / "multi_worker_fit.py"),
         str(out)])
@@ -189,6 +189,7 @@ def test_ctrl_c_stops_every_hosts_workers(hosts, tmp_path):
     launcher.send_signal(signal.SIGINT)
     code, output = finish(launcher)
     assert code == 130, output[-3000:]
+    assert "[0] hello from 0" in output and "[1] hello from 1" in output  # the ssh host's output, prefixed
     assert "interrupted" in output
     assert nothing_left_running(hosts)
 
@@ -204,4 +205,16 @@ def test_a_dead_host_stops_the_other_hosts_workers_naming_it(hosts, tmp_path):
     assert code != 0
     assert f"lost node 1 ({made[1].address}, over ssh): its launcher or ssh connection exited" in output, output[-3000:]
     assert "stopped all workers" in output and "[hosts]: could not start" not in output
+    assert nothing_left_running(hosts)
+
+
+def test_a_changed_host_key_is_refused(hosts, tmp_path):
+    made, keys = hosts
+    stranger = (keys / "stranger_key.pub").read_text().split()
+    (tmp_path / "known_hosts").write_text(f"[{made[1].address}]:{SSH_PORT} {stranger[0]} {stranger[1]}\n")
+    (keys / "changed_config").write_text(f"Host *\n  UserKnownHostsFile {tmp_path / 'known_hosts'}\n")
+    result = launch(hosts, tmp_path, config="changed_config")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "[1]" not in output
+    assert "Host key verification failed" in output and "its host key did not change" in output, output[-3000:]
     assert nothing_left_running(hosts)
