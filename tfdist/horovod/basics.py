@@ -2,8 +2,9 @@
 
 Horovod's semantics: a rank is a worker process, ``size()`` counts processes, and
 ``local_*`` / ``cross_*`` describe them by host. All of it comes from the environment the
-launcher gave (``TF_CONFIG`` from ``tfdist run``, SLURM, or nothing: one process), so it
-works before TensorFlow starts. ``init()`` starts nothing either: in a multi-worker job
+launcher gave (``TF_CONFIG`` from ``tfdist run``, mpirun's variables, SLURM, or nothing: one
+process), so it works before TensorFlow starts; under mpirun, ``init()`` also asks every rank
+for its address over MPI (mpi4py). ``init()`` starts nothing either: in a multi-worker job
 tfdist sets up TensorFlow's collective runtime just before TensorFlow's first op, which
 leaves room for Horovod's GPU pinning (``set_visible_devices``) after ``init()``.
 """
@@ -85,7 +86,7 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
 
     Args:
         comm: None, or a list of all ranks (an MPI communicator, or a subset of the
-            ranks, cannot be honoured: there is no MPI).
+            ranks, cannot be honoured: tfdist's collectives do not run over MPI).
         process_sets: ProcessSets to register besides the global one, or "dynamic".
 
     Raises:
