@@ -218,3 +218,16 @@ def test_a_changed_host_key_is_refused(hosts, tmp_path):
     assert result.returncode != 0 and "[1]" not in output
     assert "Host key verification failed" in output and "its host key did not change" in output, output[-3000:]
     assert nothing_left_running(hosts)
+
+
+def test_max_restarts_restarts_both_hosts_after_a_worker_dies_on_the_ssh_host(hosts, tmp_path):
+    result = launch(hosts, tmp_path, "--max-restarts", "1", "-x", "HOROVOD_TEST_KILL",
+                    env={"HOROVOD_TEST_KILL": "1:0:1:2"})  # rank 1 (ssh host), first attempt only
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "worker 1 on node 1 was killed by SIGKILL" in output
+    assert "restarting all workers on 2 nodes (1/1)" in output and "all workers finished on 2 nodes" in output
+    workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
+    assert [w["attempt"] for w in workers] == [1, 1]
+    assert workers[0]["final_weights"] == workers[1]["final_weights"]
+    assert nothing_left_running(hosts)
