@@ -22,6 +22,7 @@ from tests.jobs import REPO, WORKERS, job_env
 
 SSH_PORT = 2222
 TIMEOUT = 200
+MPI_TIMEOUT = 90
 
 
 def _unavailable():
@@ -229,5 +230,31 @@ def test_max_restarts_restarts_both_hosts_after_a_worker_dies_on_the_ssh_host(ho
     assert "restarting all workers on 2 nodes (1/1)" in output and "all workers finished on 2 nodes" in output
     workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
     assert [w["attempt"] for w in workers] == [1, 1]
+    assert workers[0]["final_weights"] == workers[1]["final_weights"]
+    assert nothing_left_running(hosts)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+def test_mpirun_across_the_two_hosts_builds_one_cluster(hosts, tmp_path):
+    pytest.importorskip("mpi4py", reason="needs mpi4py (pip install mpi4py)")
+    made, keys = hosts
+    ssh = f"ssh -F {keys / 'ssh_config'} -i {keys / 'user_key'} -p {SSH_PORT} -o BatchMode=yes -o StrictHostKeyChecking=accept-new"
+    subnet = f"{netns.SUBNET}.0/24"
+    command = made[0].command([
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-H", f"{made[0].address}:1,{made[1].address}:1",
+        "--mca", "plm_rsh_agent", ssh, "--mca", "oob_tcp_if_include", subnet, "--mca", "btl_tcp_if_include", subnet,
+        "-x", "PYTHONPATH", "-x", "TF_CPP_MIN_LOG_LEVEL", "--wdir", str(REPO),
+        sys.executable, str(WORKERS / "horovod_example_job.py"), str(tmp_path), str(REPO / "examples" / "multi_worker_fit.py"),
+        str(tmp_path)])
+    process = subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=MPI_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        raise AssertionError(f"mpirun did not finish within {MPI_TIMEOUT}s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    assert "worker 0 of 2: 2 replicas in sync" in output
+    workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
     assert workers[0]["final_weights"] == workers[1]["final_weights"]
     assert nothing_left_running(hosts)

@@ -57,8 +57,9 @@ def exchange_addresses(info: cluster_lib.ClusterInfo, comm: Any = None) -> tuple
     world = comm is None
     comm = comm_world() if comm is None else comm
     check_comm(info, comm)
-    hostnames = comm.allgather(socket.gethostname())
-    host = "127.0.0.1" if len(set(hostnames)) == 1 else _address_towards(hostnames, info.worker_index)
+    machines = comm.allgather((socket.gethostname(), tuple(_interface_addresses())))
+    one_machine = info.local_size == info.num_workers or len(set(machines)) == 1
+    host = "127.0.0.1" if one_machine else _address_towards_peers(machines, info.worker_index)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.bind(("", 0))  # TensorFlow's server binds every interface
@@ -71,10 +72,36 @@ def exchange_addresses(info: cluster_lib.ClusterInfo, comm: Any = None) -> tuple
     return addresses
 
 
-def _address_towards(hostnames: Sequence[str], rank: int) -> str:
-    """This host's address on the route to another rank's host (no packet is sent)."""
-    peer = next(name for name in hostnames if name != hostnames[rank])
-    family, _, _, _, sockaddr = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(sockaddr)
-        return probe.getsockname()[0]
+def _interface_addresses() -> list[str]:
+    """This machine's IPv4 addresses, loopback excluded (Linux: SIOCGIFADDR on every interface)."""
+    import fcntl
+    import struct
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on it
+            address = socket.inet_ntoa(packed[20:24])
+            if not address.startswith("127."):
+                found.append(address)
+    return found
+
+
+def _address_towards_peers(machines: Sequence[tuple[str, tuple[str, ...]]], rank: int) -> str:
+    """Of this rank's addresses, the one on the same network as the other machines' (longest common prefix)."""
+    mine = machines[rank][1]
+    others = [address for machine in machines if machine != machines[rank] for address in machine[1]]
+    if not mine:
+        raise cluster_lib.ClusterConfigError(
+            f"MPI rank {rank} has no network address but loopback, and the job spans several machines: "
+            "give the machine a network interface its peers can reach.")
+
+    def shared_bits(address: str) -> int:
+        value = int.from_bytes(socket.inet_aton(address), "big")
+        return max((32 - (value ^ int.from_bytes(socket.inet_aton(o), "big")).bit_length() for o in others),
+                   default=0)
+
+    return max(mine, key=shared_bits)
