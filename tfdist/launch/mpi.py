@@ -2,8 +2,9 @@
 
 ``tfdist.cluster`` reads rank and size from the MPI launcher's variables; this module asks
 every rank, over ``MPI.COMM_WORLD`` (mpi4py, the optional extra ``tfdist[mpi]``), where its
-TensorFlow server will listen, so every rank builds the same cluster. mpi4py is imported
-only here, only when a worker builds its strategy. Standard library otherwise.
+TensorFlow server will listen, so every rank builds the same cluster: 127.0.0.1 when MPI put
+every rank on one machine, else the rank's address on the network the other machines share.
+mpi4py is imported only here, only in worker processes. Standard library otherwise.
 """
 
 from __future__ import annotations
