@@ -62,11 +62,14 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def hosts(names: Sequence[str] | None = None) -> Iterator[tuple[Host, Host]]:
-    """Two namespaces on one veth link; ``names`` (two host names) go into their hosts files."""
-    _remove_stale()
+def hosts(names: Sequence[str] | None = None, prefix: str = _PREFIX) -> Iterator[tuple[Host, Host]]:
+    """Two namespaces on one veth link; ``names`` (two host names) go into their hosts files.
+
+    ``prefix`` (4 characters) starts the namespaces' names, its first 3 the veth ends'.
+    """
+    _remove_stale(prefix)
     tag = f"{os.getpid()}-{next(_serial)}"
-    made = [Host(f"{_PREFIX}{tag}{end}", f"{SUBNET}.{i + 1}", f"tfdv{tag}{end}", names[i] if names else None)
+    made = [Host(f"{prefix}{tag}{end}", f"{SUBNET}.{i + 1}", f"{prefix[:3]}v{tag}{end}", names[i] if names else None)
             for i, end in enumerate("ab")]
     try:
         for host in made:
@@ -103,13 +106,13 @@ def _remove(namespace: str) -> None:
     shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
 
 
-def _remove_stale() -> None:
+def _remove_stale(prefix: str = _PREFIX) -> None:
     """Removes namespaces of earlier test processes that no longer run (killed before they cleaned up)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT).stdout.split("\n")
     for line in listed:
         name = line.split(" ")[0]
-        owner = name[len(_PREFIX):].split("-")[0]
-        if name.startswith(_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+        owner = name[len(prefix):].split("-")[0]
+        if name.startswith(prefix) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             _remove(name)
 
 

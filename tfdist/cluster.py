@@ -7,7 +7,12 @@ Sources, in order of precedence:
 
 * ``TF_CONFIG`` (TensorFlow's own format; ``tfdist run`` writes it too, together with
   the ``TFDIST_*`` rank variables, and is then reported as source ``"tfdist"``);
-* SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...);
+* MPI launchers: Open MPI's ``mpirun`` (``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``),
+  MPICH and Intel MPI (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``): rank and size come
+  from here; the workers' addresses are exchanged over MPI when the strategy is built
+  (``tfdist.launch.mpi``), so ``worker_addresses`` is empty for source ``"mpi"``;
+* SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_STEP_NODELIST``, ...; also what
+  ``srun --mpi=pmix`` sets);
 * nothing: a single worker.
 """
 
@@ -19,7 +24,7 @@ import os
 import re
 from typing import Mapping, Sequence
 
-from tfdist.errors import ClusterConfigError
+from tfdist.errors import ClusterConfigError, TFConfigChangedError
 
 # Variables ``tfdist run`` sets for each worker, besides TF_CONFIG.
 ENV_WORKER_INDEX = "TFDIST_WORKER_INDEX"
@@ -27,6 +32,8 @@ ENV_NUM_WORKERS = "TFDIST_NUM_WORKERS"
 ENV_LOCAL_RANK = "TFDIST_LOCAL_RANK"
 ENV_LOCAL_SIZE = "TFDIST_LOCAL_SIZE"
 ENV_CPU_DEVICES = "TFDIST_CPU_DEVICES"
+# The TF_CONFIG ``tfdist run`` gave the worker: a script that sets another one itself is stopped.
+ENV_LAUNCHER_TF_CONFIG = "TFDIST_TF_CONFIG"
 # Set by a multi-node ``tfdist run --nnodes M``: this worker's node, and how many nodes.
 ENV_NODE_RANK = "TFDIST_NODE_RANK"
 ENV_NUM_NODES = "TFDIST_NUM_NODES"
@@ -61,7 +68,8 @@ class ClusterInfo:
         local_size: workers on this host.
         is_chief: whether this worker writes checkpoints, logs and results.
         worker_addresses: "host:port" of every worker, in rank order.
-        source: "tf_config", "tfdist", "slurm" or "none".
+        source: "tf_config", "tfdist", "mpi", "slurm" or "none". For "mpi" the addresses
+            are empty until ``tfdist.launch.mpi.exchange_addresses`` asks every rank.
     """
 
     num_workers: int = 1
@@ -91,8 +99,18 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterInfo:
         ClusterConfigError: TF_CONFIG or the SLURM variables are malformed.
     """
     env = os.environ if env is None else env
+    check_tf_config_unchanged(env)
+    mpi = _from_mpi(env)
     if env.get("TF_CONFIG", "").strip():
-        return _from_tf_config(env)
+        info = _from_tf_config(env)
+        if mpi is not None and mpi.num_workers != info.num_workers:
+            raise ClusterConfigError(
+                f"MPI started {mpi.num_workers} rank(s) ({mpi_size_variable(env)}={mpi.num_workers}) but TF_CONFIG "
+                f"describes {info.num_workers} worker(s): start as many MPI ranks as TF_CONFIG has workers "
+                f"(mpirun -np {info.num_workers}), or unset TF_CONFIG and let tfdist build the cluster over MPI.")
+        return info
+    if mpi is not None:
+        return mpi
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _from_slurm(env)
     return ClusterInfo()
@@ -158,6 +176,73 @@ def _from_tf_config(env: Mapping[str, str]) -> ClusterInfo:
         worker_addresses=addresses,
         source=source,
     )
+
+
+# (rank, size, local rank, local size) variables of each MPI launcher family.
+_MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def mpi_size_variable(env: Mapping[str, str]) -> str | None:
+    """The MPI variable that holds the job's size in ``env`` (None outside an MPI launcher)."""
+    return next((size for rank, size, _, _ in _MPI_VARIABLES if rank in env and size in env), None)
+
+
+def _from_mpi(env: Mapping[str, str]) -> ClusterInfo | None:
+    """Rank, size and local rank from an MPI launcher's variables; None when no MPI launcher set them."""
+    for rank_var, size_var, local_rank_var, local_size_var in _MPI_VARIABLES:
+        if rank_var in env and size_var in env:
+            break
+    else:
+        return None
+    size, rank = _int_var(env, size_var, 1), _int_var(env, rank_var, 0)
+    if not 0 <= rank < size:
+        raise ClusterConfigError(f"{rank_var}={rank} is out of range for {size_var}={size}; start the script "
+                                 "with mpirun/mpiexec, which sets both.")
+    local_rank = _int_var(env, local_rank_var, 0)
+    return ClusterInfo(num_workers=size, worker_index=rank, local_rank=local_rank,
+                       local_size=max(_int_var(env, local_size_var, 1), local_rank + 1),
+                       is_chief=rank == 0, worker_addresses=(), source="mpi")
+
+
+def check_tf_config_unchanged(env: Mapping[str, str] | None = None) -> None:
+    """Raises TFConfigChangedError when TF_CONFIG differs from the one ``tfdist run`` gave this worker.
+
+    The same cluster and task written differently (spacing, key order) is not a change.
+    """
+    env = os.environ if env is None else env
+    given, now = env.get(ENV_LAUNCHER_TF_CONFIG), env.get("TF_CONFIG", "")
+    if given is None or now == given:
+        return
+    try:
+        if json.loads(now) == json.loads(given):
+            return
+    except json.JSONDecodeError:
+        pass
+    raise TFConfigChangedError(
+        f"TF_CONFIG was changed inside this worker{_lines_setting_tf_config()}: it is {now!r}, but `tfdist run` "
+        f"gave this worker {given!r}. tfdist run sets TF_CONFIG for every worker (each its own task index and "
+        "port); a TF_CONFIG fixed in the script gives every worker the same one. Fix: delete the line that sets "
+        "os.environ['TF_CONFIG'] (or set it only when it is missing: os.environ.setdefault), or start the script "
+        "without tfdist run, once per machine, as the TensorFlow guide does.")
+
+
+def _lines_setting_tf_config() -> str:
+    """' (train.py:11)' : the lines of the main script that assign TF_CONFIG, or '' when none is found."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        with open(path, encoding="utf-8") as script:
+            lines = script.read().splitlines()
+    except (OSError, TypeError, UnicodeDecodeError):
+        return ""
+    found = [f"{os.path.basename(path)}:{number}" for number, line in enumerate(lines, 1)
+             if "TF_CONFIG" in line and ("=" in line.split("TF_CONFIG", 1)[1][:4] or "putenv" in line
+                                         or "update" in line) and not line.lstrip().startswith("#")]
+    return f" ({', '.join(found)}: {lines[int(found[0].rsplit(':', 1)[1]) - 1].strip()})" if found else ""
 
 
 def _tf_config_error(message: str) -> ClusterConfigError:

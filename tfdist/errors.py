@@ -14,6 +14,10 @@ class ClusterConfigError(ValueError, TfdistError):
     """The environment describes a cluster that tfdist cannot use."""
 
 
+class TFConfigChangedError(ClusterConfigError):
+    """A script under ``tfdist run`` set a TF_CONFIG of its own that differs from the launcher's."""
+
+
 class StrategyError(ValueError, TfdistError):
     """A strategy, device spec or option that tfdist cannot build; the message says the fix."""
 
@@ -48,6 +52,10 @@ class BenchError(ValueError, TfdistError):
 
 class LaunchError(TfdistError):
     """Bad launcher arguments: the message says what to change."""
+
+
+class HostListError(ValueError, TfdistError):
+    """A host list or hostfile tfdist cannot read; the message names the bad value and the fix."""
 
 
 class MasterError(TfdistError):

@@ -3,9 +3,10 @@
     tfdist run -n 2 -- python train.py --epochs 3                     # this machine
     tfdist run --nnodes 2 --node-rank K --master HOST:PORT -n 2 -- ...  # on each of 2 machines
     tfdist run --ray [ADDRESS] -n 4 -- python train.py                 # workers placed by Ray
+    tfdist run -H host1:2,host2:2 -- python train.py                   # every host from here, over ssh
 
 This module reads the command line; ``tfdist.launch`` does the work (``local``,
-``nodes``, ``ray``). Never imports TensorFlow (nor Ray, unless ``--ray`` is given).
+``nodes``, ``ssh``, ``ray``). Never imports TensorFlow (nor Ray, unless ``--ray`` is given).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from typing import Sequence
 
 from tfdist.errors import LaunchError
-from tfdist.launch import local, nodes, supervisor
+from tfdist.launch import hostlist, local, nodes, ssh, supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: tfdist run -n 2 -- python train.py --epochs 3   "
                "(several machines: tfdist run --nnodes 2 --node-rank K --master HOST:PORT -n 2 -- ...)",
     )
-    parser.add_argument("-n", "--num-workers", type=int, required=True, help="worker processes to start")
+    parser.add_argument("-n", "--num-workers", type=int, default=None,
+                        help="worker processes to start (with -H/--hostfile: default, every slot)")
     parser.add_argument("--cpu-devices", type=int, default=None, help="split each worker's CPU into K logical devices")
     parser.add_argument("--port", type=int, default=None, help="first port (workers use PORT..PORT+N-1); default: free ports")
     parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
@@ -46,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tf-logs", action="store_true",
                         help="show TensorFlow's C++ start-up logs (hidden unless TF_CPP_MIN_LOG_LEVEL is set)")
     _add_several_machines(parser)
+    _add_hosts(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     return parser
 
@@ -70,22 +73,48 @@ def _add_several_machines(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus-per-worker", type=float, default=None, help="with --ray: GPUs Ray reserves per worker (0)")
 
 
+def _add_hosts(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "several hosts from one command", "Start every host's workers from this machine, over ssh (as horovodrun "
+        "does); hosts that are this machine run without ssh. Hosts are filled in order up to their slots.")
+    group.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...", help="hosts and their slots, e.g. a:2,b:2")
+    group.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="an mpirun/Horovod hostfile: one 'HOST slots=N' (or 'HOST:N') per line")
+    group.add_argument("--ssh-port", type=int, default=None, help="ssh port of every host (default: ssh's own)")
+    group.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="private key ssh logs in with")
+    group.add_argument("--ssh-config-file", default=None, metavar="FILE",
+                       help="an ssh config file to use instead of ~/.ssh/config (ssh -F)")
+    group.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
+                       help="also give this variable to every host's workers (as mpirun -x; PYTHONPATH and "
+                            "TF_CPP_MIN_LOG_LEVEL go by default)")
+    parser.add_argument("--join-only", action="store_true", help=argparse.SUPPRESS)  # a host's launcher under -H
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tfdist run`` and ``python -m tfdist.run``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         command = _check_args(args)
-    except LaunchError as err:
+        hosts = _hosts(args)
+        exported = _exported(args.env)
+    except (LaunchError, hostlist.HostListError) as err:
         parser.error(str(err))
+    if hosts is not None:
+        return ssh.launch(command, hosts, node_args=_node_args(args), max_restarts=args.max_restarts,
+                          grace_period=args.grace_period, start_timeout=args.start_timeout,
+                          fixed_ports=args.port is not None,
+                          ssh=ssh.SshOptions(args.ssh_port, args.ssh_identity_file, args.ssh_config_file),
+                          env=exported)
     settings = supervisor.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
                                     hide_tf_logs=not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ,
                                     horovod=args.horovod)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,
                   max_restarts=args.max_restarts, grace_period=args.grace_period, start_timeout=args.start_timeout)
-    if args.nnodes > 1:
+    if args.nnodes > 1 or args.join_only:
         return nodes.launch(command, nnodes=args.nnodes, node_rank=args.node_rank, master=_parse_master(args.master),
-                            token=nodes.token_from(args.token), host_address=args.host_address, **common)
+                            token=nodes.token_from(args.token), host_address=args.host_address,
+                            serve_master=not args.join_only, **common)
     if args.ray is not None:
         from tfdist.launch import ray as ray_hosts  # imports Ray only now
 
@@ -98,7 +127,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if args.num_workers < 1:
+    if args.num_workers is None and not (args.hosts or args.hostfile):
+        raise LaunchError("-n N is required: the number of workers to start, e.g. tfdist run -n 2 -- python train.py")
+    if args.num_workers is not None and args.num_workers < 1:
         raise LaunchError(f"-n must be at least 1: received -n {args.num_workers}.")
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
@@ -113,7 +144,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
                           "drop one of them.")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be 0 or more: received {args.max_restarts}.")
-    if args.port is not None and not 1024 <= args.port <= 65535 - args.num_workers:
+    if args.port is not None and not 1024 <= args.port <= 65535 - (args.num_workers or 1):
         raise LaunchError(f"--port must leave room for {args.num_workers} ports in 1024..65535: received {args.port}.")
     _check_several_machines(args)
     if not command:
@@ -140,7 +171,7 @@ def _check_several_machines(args: argparse.Namespace) -> None:
     for name in ("cpus_per_worker", "gpus_per_worker"):
         if (getattr(args, name) or 0) < 0:
             raise LaunchError(f"--{name.replace('_', '-')} must be 0 or more: received {getattr(args, name)}.")
-    if args.nnodes == 1:
+    if args.nnodes == 1 and not args.join_only:
         given = [f"--{n.replace('_', '-')}" for n in ("master", "token", "host_address") if getattr(args, n)]
         if given:
             raise LaunchError(f"{', '.join(given)} only apply to a job on several nodes: add --nnodes M and "
@@ -155,6 +186,49 @@ def _check_several_machines(args: argparse.Namespace) -> None:
             f"--nnodes {args.nnodes} needs a token that every node shares, so that no one else can join the job: "
             f"run export {nodes.ENV_TOKEN}=$(python3 -c 'import secrets; print(secrets.token_hex(16))') and set the "
             "same value on every node (or give --token).")
+
+
+def _hosts(args: argparse.Namespace) -> list[tuple[str, int]] | None:
+    """(host, workers) of each host of a -H/--hostfile job, in rank order; None for other jobs."""
+    if not (args.hosts or args.hostfile):
+        if args.ssh_port is not None or args.ssh_identity_file or args.ssh_config_file or args.env:
+            raise LaunchError("--ssh-port, --ssh-identity-file, --ssh-config-file and -x apply to hosts started over "
+                              "ssh: add -H HOST:N,... or --hostfile FILE.")
+        return None
+    if args.hosts and args.hostfile:
+        raise LaunchError("-H and --hostfile both list the hosts: give one of them.")
+    if args.nnodes > 1 or args.ray is not None:
+        raise LaunchError("-H/--hostfile starts every host from here; --nnodes (one tfdist run per node) and --ray "
+                          "are other ways: give one of them.")
+    if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
+        raise LaunchError(f"--ssh-port must be in 1..65535: received {args.ssh_port}.")
+    for name in ("ssh_identity_file", "ssh_config_file"):
+        path = getattr(args, name)
+        if path and not os.path.isfile(path):
+            raise LaunchError(f"--{name.replace('_', '-')} {path}: no such file.")
+    listed = hostlist.parse_hosts(args.hosts) if args.hosts else hostlist.parse_hostfile(args.hostfile)
+    return hostlist.assign(listed, args.num_workers)
+
+
+def _exported(names: Sequence[str]) -> dict[str, str]:
+    """-x NAME (its value here) and -x NAME=VALUE, as a dict."""
+    exported = {}
+    for item in names:
+        name, sep, value = item.partition("=")
+        if not name.isidentifier():
+            raise LaunchError(f"-x takes NAME or NAME=VALUE: received {item!r}.")
+        if sep or name in os.environ:
+            exported[name] = value if sep else os.environ[name]
+    return exported
+
+
+def _node_args(args: argparse.Namespace) -> list[str]:
+    """The options every host's launcher of a -H job gets from this one."""
+    given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout)]
+    node_args = [str(part) for flag, value in given if value is not None for part in (flag, value)]
+    node_args += ["--grace-period", str(args.grace_period), "--start-timeout", str(args.start_timeout)]
+    return node_args + [flag for flag, on in (("--no-fixes", args.no_fixes), ("--horovod", args.horovod),
+                                              ("--tf-logs", args.tf_logs)) if on]
 
 
 def _parse_master(value: str) -> tuple[str, int]:

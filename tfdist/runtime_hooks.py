@@ -87,6 +87,8 @@ def _before_runtime_start() -> None:
     try:
         cluster = cluster_lib.cluster_from_env()
         cpu_devices = cluster_lib.cpu_devices_from_env()
+    except cluster_lib.TFConfigChangedError:
+        raise  # under tfdist run: every worker must stop, saying why
     except cluster_lib.ClusterConfigError:
         return  # not a cluster tfdist reads (a parameter-server job, say): leave it to the script
     if cluster.is_multi_worker and state.current_strategy() is None:
@@ -117,6 +119,7 @@ def _init_strategy(original, self, *args, **kwargs):
     if getattr(self, "_tfdist_ready", False):
         return  # the process's existing strategy, returned by _new_strategy
     global _building
+    cluster_lib.check_tf_config_unchanged()  # a script's own TF_CONFIG under tfdist run: stop, saying why
     _mark_if_multi_worker("joining")  # the constructor waits for every peer
     building, _building = _building, True  # this strategy is the one; the runtime hook builds none
     try:

@@ -215,8 +215,13 @@ def _too_late_message() -> str:
 def _cluster_resolver(cluster: cluster_lib.ClusterInfo):
     if cluster.source in ("tf_config", "tfdist"):
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    addresses = cluster.worker_addresses
+    if cluster.source == "mpi":
+        from tfdist.launch import mpi  # mpi4py only now, in the worker
+
+        addresses = mpi.exchange_addresses(cluster)
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": list(cluster.worker_addresses)}),
+        tf.train.ClusterSpec({"worker": list(addresses)}),
         task_type="worker", task_id=cluster.worker_index, rpc_layer="grpc")
 
 

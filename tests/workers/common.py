@@ -14,7 +14,7 @@ EQUIVALENCE_STEPS = 5
 
 def write_result(out_dir: str, payload: dict) -> None:
     """Writes this worker's results to ``out_dir/worker<rank>.json``."""
-    rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
+    rank = int(os.environ.get("TFDIST_WORKER_INDEX") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0")
     pathlib.Path(out_dir, f"worker{rank}.json").write_text(json.dumps(payload))
 
 

@@ -30,7 +30,7 @@ import keras
 from tests.workers import common
 
 out_dir, script, *script_args = sys.argv[1:]
-rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
+rank = int(os.environ.get("TFDIST_WORKER_INDEX") or os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or "0")
 attempt = int(os.environ.get("TFDIST_RESTART", "0"))
 kill = os.environ.get("HOROVOD_TEST_KILL")
 kill = [int(part) for part in kill.split(":")] if kill else None

@@ -2,8 +2,9 @@
 
 Horovod's semantics: a rank is a worker process, ``size()`` counts processes, and
 ``local_*`` / ``cross_*`` describe them by host. All of it comes from the environment the
-launcher gave (``TF_CONFIG`` from ``tfdist run``, SLURM, or nothing: one process), so it
-works before TensorFlow starts. ``init()`` starts nothing either: in a multi-worker job
+launcher gave (``TF_CONFIG`` from ``tfdist run``, mpirun's variables, SLURM, or nothing: one
+process), so it works before TensorFlow starts; under mpirun, ``init()`` also asks every rank
+for its address over MPI (mpi4py). ``init()`` starts nothing either: in a multi-worker job
 tfdist sets up TensorFlow's collective runtime just before TensorFlow's first op, which
 leaves room for Horovod's GPU pinning (``set_visible_devices``) after ``init()``.
 """
@@ -81,7 +82,7 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
 
     Args:
         comm: None, or a list of all ranks (an MPI communicator, or a subset of the
-            ranks, cannot be honoured: there is no MPI).
+            ranks, cannot be honoured: tfdist's collectives do not run over MPI).
         process_sets: ProcessSets to register besides the global one, or "dynamic".
 
     Raises:
@@ -99,6 +100,10 @@ def init(comm: Sequence[int] | None = None, process_sets: Sequence[ProcessSet] |
         raise ValueError(f"hvd.init(comm=...) takes None or the list of all {cluster.num_workers} rank(s); received "
                          f"comm={comm!r}. tfdist has no MPI communicators: start only the processes you need "
                          "(tfdist run -n N), or use hvd.ProcessSet for collectives among some ranks.")
+    if cluster.source == "mpi":  # every rank's host, for local_*/cross_*; fails now without mpi4py
+        from tfdist.launch import mpi
+
+        cluster = dataclasses.replace(cluster, worker_addresses=mpi.exchange_addresses(cluster))
     if cluster.is_multi_worker:
         from tfdist import strategy as strategy_lib
 
@@ -233,7 +238,7 @@ def group_of(process_set: ProcessSet, name: str):
 # Build flags and timeline -----------------------------------------------------------------------
 
 def mpi_threads_supported() -> bool:
-    """False: tfdist uses no MPI."""
+    """False: tfdist's collectives do not run over MPI (MPI only starts the job and shares addresses)."""
     _cluster("mpi_threads_supported")
     return False
 

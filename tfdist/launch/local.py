@@ -55,8 +55,10 @@ def worker_env(addresses: Sequence[str], index: int, settings: WorkerSettings, r
                status_dir: str, base_env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of worker ``index``: a new dict, ``base_env`` untouched."""
     env = dict(os.environ if base_env is None else base_env)
+    tf_config = cluster.make_tf_config(addresses, index)
     env.update({
-        "TF_CONFIG": cluster.make_tf_config(addresses, index),
+        "TF_CONFIG": tf_config,
+        cluster.ENV_LAUNCHER_TF_CONFIG: tf_config,
         cluster.ENV_WORKER_INDEX: str(index),
         cluster.ENV_NUM_WORKERS: str(len(addresses)),
         cluster.ENV_LOCAL_RANK: str(index),

@@ -46,15 +46,18 @@ def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple
            num_workers: int, settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
            host_address: str | None = None, timeout: float | None = None, max_restarts: int = 0,
            grace_period: float = 5.0, start_timeout: float = supervisor.DEFAULT_START_TIMEOUT,
-           out: IO[bytes] | None = None) -> int:
-    """Runs this node's share of a multi-node job (and, on node 0, the master); returns the exit code."""
+           out: IO[bytes] | None = None, serve_master: bool = True) -> int:
+    """Runs this node's share of a multi-node job (and, on node 0, the master); returns the exit code.
+
+    ``serve_master=False``: the master runs elsewhere (``tfdist run -H``'s own launcher, ``launch/ssh.py``).
+    """
     out = out or sys.stdout.buffer
     say = functools.partial(output.say, out, who=f"tfdist run [node {node_rank}/{nnodes}]")
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, supervisor.raise_stop) if in_main_thread else None
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     try:
-        if node_rank == 0:
+        if node_rank == 0 and serve_master:
             coordinator = master_lib.Master(
                 master, nnodes, token, start_timeout=start_timeout, max_restarts=max_restarts,
                 fixed_ports=base_port is not None, grace_period=grace_period,
