@@ -28,6 +28,14 @@ def test_every_weight_equal_on_both_workers_statistics_the_mean_of_theirs(job):
     assert first["plain_loss"][-1] < first["plain_loss"][0]
 
 
+def test_mobilenet_v2_ends_with_every_weight_equal_on_both_workers(job):
+    """The TensorFlow guide's model: its BatchNormalization statistics included, bit for bit."""
+    result, _ = job
+    first, second = result.results[0]["mobilenet"], result.results[1]["mobilenet"]
+    assert first["statistics"] == 2 * 52 and first["statistics_moved"]  # moving mean and variance of 52 BN layers
+    assert first["weights"] == second["weights"]
+
+
 def test_the_chiefs_saved_model_holds_the_mean_statistics(job):
     result, out = job
     assert sorted(p.name for p in out.iterdir()) == ["bn.keras", "worker0.json", "worker1.json"]

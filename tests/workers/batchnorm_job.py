@@ -1,9 +1,11 @@
-"""2 workers: a small CNN with BatchNormalization, plain and synchronized; the chief saves the plain one.
+"""2 workers: a small CNN with BatchNormalization, plain and synchronized (the chief saves the plain one),
+then a toy-size MobileNetV2.
 
 argv: OUT_DIR. Writes each worker's weights, its own (not yet averaged) moving statistics at the
 last batch, and, on the chief, ``bn.keras``.
 """
 
+import hashlib
 import os
 import sys
 
@@ -30,7 +32,26 @@ plain, plain_loss = common.train_batchnorm_cnn(strategy, synchronized=False, cal
 if tfdist.is_chief():
     plain.save(os.path.join(out_dir, "bn.keras"))  # chief only: reading the statistics needs no collective
 synced, synced_loss = common.train_batchnorm_cnn(strategy, synchronized=True)
+
+
+def weights_digest(weights) -> str:
+    """One hash of every weight's bytes: equal on two workers only if every value is."""
+    return hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest()
+
+
+# The TensorFlow guide's model: MobileNetV2 (at toy size), its 52 BatchNormalization layers included.
+with strategy.scope():
+    keras.utils.set_random_seed(5)
+    mobilenet = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=3)
+    mobilenet.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy())
+statistics = [w for w in mobilenet.non_trainable_weights if "moving" in w.path]
+initial_statistics = weights_digest([w.numpy() for w in statistics])
+rng = np.random.default_rng(2)
+images = (rng.random((32, 32, 32, 3)) + np.repeat(np.arange(4), 8)[:, None, None, None]).astype("float32")
+mobilenet.fit(images, rng.integers(0, 3, 32), batch_size=8, epochs=1, shuffle=False, verbose=0)
 common.write_result(out_dir, {
     "plain_weights": [w.tolist() for w in plain.get_weights()], "plain_loss": plain_loss, "local": local.values,
     "synced_weights": [w.tolist() for w in synced.get_weights()], "synced_loss": synced_loss,
-    "replicas": strategy.num_replicas_in_sync})
+    "replicas": strategy.num_replicas_in_sync,
+    "mobilenet": {"weights": weights_digest(mobilenet.get_weights()), "statistics": len(statistics),
+                  "statistics_moved": weights_digest([w.numpy() for w in statistics]) != initial_statistics}})
