@@ -13,24 +13,23 @@ def job(tmp_path_factory):
     return run_job("horovod_join_job.py", tmp_path_factory.mktemp("join"), timeout=240).check()
 
 
-def test_fit_with_fewer_batches_on_rank_1_joins_with_horovods_average(job):
+def assert_joined(job, run: str, data: list, last: int) -> None:
+    """Both ranks' weights of ``run`` are equal, equal NumPy's join average of ``data``, and agree on the last rank."""
     first, second = job.results[0], job.results[1]
-    for a, b in zip(first["fit_weights"], second["fit_weights"]):
+    for a, b in zip(first[f"{run}_weights"], second[f"{run}_weights"]):
         np.testing.assert_array_equal(a, b)
-    want = common.join_by_hand([common.join_data(0, 10), common.join_data(1, 6)])
-    for got, expected in zip(first["fit_weights"], want):
+    for got, expected in zip(first[f"{run}_weights"], common.join_by_hand(data)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert first["fit_last"] == second["fit_last"] == 0  # rank 0 had more batches: it joined last
+    assert first[f"{run}_last"] == second[f"{run}_last"] == last
+
+
+def test_fit_with_fewer_batches_on_rank_1_joins_with_horovods_average(job):
+    assert_joined(job, "fit", [common.join_data(0, 10), common.join_data(1, 6)], last=0)  # rank 0 joined last
 
 
 def test_tf_function_loop_with_distributed_gradient_tape_joins(job):
+    assert_joined(job, "loop", [common.join_data(2, 3), common.join_data(3, 5)], last=1)
     first, second = job.results[0], job.results[1]
-    for a, b in zip(first["loop_weights"], second["loop_weights"]):
-        np.testing.assert_array_equal(a, b)
-    want = common.join_by_hand([common.join_data(2, 3), common.join_data(3, 5)])
-    for got, expected in zip(first["loop_weights"], want):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert first["loop_last"] == second["loop_last"] == 1
     assert not np.allclose(first["loop_weights_at_join"][0], second["loop_weights_at_join"][0])  # before broadcast
 
 

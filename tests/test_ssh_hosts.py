@@ -176,6 +176,7 @@ def start_sleepers(hosts, out):
 
 
 def finish(launcher, timeout=60):
+    """The launcher's (exit code, output); kills it and fails the test if it runs past ``timeout``."""
     try:
         output, _ = launcher.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -249,13 +250,8 @@ def test_mpirun_across_the_two_hosts_builds_one_cluster(hosts, tmp_path):
         sys.executable, str(WORKERS / "horovod_example_job.py"), str(tmp_path), str(REPO / "examples" / "multi_worker_fit.py"),
         str(tmp_path)])
     process = subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = process.communicate(timeout=MPI_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        output, _ = process.communicate()
-        raise AssertionError(f"mpirun did not finish within {MPI_TIMEOUT}s:\n{output[-4000:]}")
-    assert process.returncode == 0, output[-4000:]
+    code, output = finish(process, MPI_TIMEOUT)
+    assert code == 0, output[-4000:]
     assert "worker 0 of 2: 2 replicas in sync" in output
     workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
     assert workers[0]["final_weights"] == workers[1]["final_weights"]
