@@ -19,7 +19,8 @@ checks it, imports inside functions included):
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
    ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
    ``launch/*``);
-1. TensorFlow primitives: ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning);
+1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``compression``, ``fusion``, ``devices``
+   (device specs, GPU pinning, threads);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
@@ -61,6 +62,7 @@ _EXPORTS = {
     "broadcast": "tfdist.collectives",
     "DistributedOptimizer": "tfdist.optimizer",
     "Compression": "tfdist.compression",
+    "set_bucket_bytes": "tfdist.buckets",
 }
 # submodules reachable as attributes before their first import (tfdist.callbacks.X)
 _SUBMODULES = ("callbacks", "compression", "data", "horovod", "precision")

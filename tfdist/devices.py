@@ -9,6 +9,7 @@ runtime starts, which ``runtime_initialized`` tells.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Sequence, Union
 
@@ -125,3 +126,22 @@ def configure_cpu_devices(count: int | None) -> None:
             f"{cluster_lib.ENV_CPU_DEVICES}={count} asks for {count} logical CPU devices, but TensorFlow "
             "already started with another number. Build the strategy before any other TensorFlow code.")
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+
+
+MIN_INTER_OP_THREADS = 2
+
+
+def configure_inter_op_threads() -> None:
+    """Gives TensorFlow at least 2 inter-op threads when it would have 1 (a worker bound to one core).
+
+    With one thread, TensorFlow's executor runs a ready backward-pass op inline and queues
+    the others behind it, so a bucket's gradient (and its all-reduce) waits for the whole
+    chain of earlier layers: nothing overlaps. A second thread takes the queued ops while
+    the chain runs. Leaves a choice the script made (``set_inter_op_parallelism_threads``)
+    and a started runtime alone.
+    """
+    if runtime_initialized() or tf.config.threading.get_inter_op_parallelism_threads() != 0:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores < MIN_INTER_OP_THREADS:
+        tf.config.threading.set_inter_op_parallelism_threads(MIN_INTER_OP_THREADS)

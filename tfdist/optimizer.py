@@ -32,6 +32,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from tfdist import buckets
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 from tfdist.errors import KerasCompatibilityError
@@ -144,7 +145,12 @@ class _DistributedMixin:
         is_update_step = tf.equal((self._iterations + 1) % steps, 0)
 
         def update():
-            reduced = extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, list(zip(packed, variables)))
+            reduced = [None] * len(packed)
+            local = [distribution.experimental_local_results(p)[0] for p in packed]
+            for bucket in buckets.plan([buckets.nbytes(p) for p in local]):
+                pairs = [(packed[i], variables[i]) for i in bucket]
+                for i, value in zip(bucket, extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, pairs)):
+                    reduced[i] = value
             means = [self.compression.decompress(r, c) / steps for r, c in zip(reduced, contexts)]
             scale = self._global_clip_scale([distribution.experimental_local_results(m)[0] for m in means])
             for mean, var, acc in zip(means, variables, accumulators):

@@ -165,6 +165,8 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
                                 f"selected {names}. Pass one, e.g. devices=['GPU:0'].")
         return tf.distribute.OneDeviceStrategy(names[0])
     cross_device_ops = opts["cross_device_ops"]
+    if len(names) > 1:
+        devices_lib.configure_inter_op_threads()
     return tf.distribute.MirroredStrategy(
         names, cross_device_ops=CROSS_DEVICE_OPS[cross_device_ops]() if cross_device_ops else None)
 
@@ -191,6 +193,7 @@ def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: d
     if runtime_initialized():
         raise StrategyError(_too_late_message())
     devices_lib.pin_gpus(cluster, devices)
+    devices_lib.configure_inter_op_threads()
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=COMMUNICATIONS[opts["communication"]],
         timeout_seconds=opts["collective_timeout"],

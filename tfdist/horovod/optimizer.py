@@ -11,7 +11,9 @@ batch, and they are averaged across processes before they are applied.
   accumulation adds them up locally; there is no strategy here, so it works).
 * ``DistributedGradientTape(tape)`` all-reduces in ``tape.gradient``.
 
-Both fuse the gradients into one all-reduce per dtype (Horovod's tensor fusion), and keep
+Both fuse the gradients into buckets, one all-reduce per bucket and dtype, last layers
+first, so inside a ``tf.function`` communication overlaps the backward pass
+(``tfdist.buckets``; Horovod's tensor fusion, on the backward pass's schedule), and keep
 their collective keys across retraces (``tfdist.process_group.KeyCache``).
 """
 
@@ -23,6 +25,7 @@ import keras
 import tensorflow as tf
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
+from tfdist import buckets
 from tfdist import compression as compression_lib
 from tfdist import optimizer as optimizer_lib
 from tfdist import process_group
@@ -82,7 +85,7 @@ class GradientReduction:
         self.prescale = 1.0 / gradient_predivide_factor
         self.postscale = gradient_predivide_factor * aggregation_scale
         self.process_set = process_set
-        self.keys = process_group.KeyCache()
+        self.keys: dict[int, process_group.KeyCache] = {}  # per bucket
         self._flag_keys = process_group.KeyCache()
         self._signature: list = []  # (shape, dtype) of the gradients of the last step, for hvd.join()
         self._sparse = self._finite_checked = self._eager = False
@@ -111,12 +114,28 @@ class GradientReduction:
         """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count."""
         group = group_of(self.process_set, "DistributedOptimizer")
         flags = [tf.constant(joined, tf.float32)] if group.size > 1 else []
-        reduced = group.grouped_allreduce(tensors + flags, self.op, self.prescale, self.postscale, self.compression,
-                                          keys=self.keys)
+        # Bucket by bucket, last layers first, so each all-reduce overlaps the rest of the backward pass
+        # (tfdist.buckets); eagerly nothing overlaps, so one call (each eager call also checks shapes).
+        plan = [list(range(len(tensors)))] if tf.executing_eagerly() else buckets.plan(
+            [buckets.nbytes(t) for t in tensors])
+        plan = plan or [[]]
+        reduced: list = [None] * len(tensors)
+        for number, bucket in enumerate(plan):
+            extra = flags if number == 0 else []  # the join flag travels with the first bucket
+            out = group.grouped_allreduce([tensors[i] for i in bucket] + extra, self.op, self.prescale,
+                                          self.postscale, self.compression, keys=self._keys(number))
+            for i, value in zip(bucket, out):
+                reduced[i] = value
+            if extra:
+                count = out[-1]
         if not flags:
             return reduced, None
         scale = self.prescale * self.postscale / (group.size if self.op == Average else 1)
-        return reduced[:-1], reduced[-1] / scale
+        return reduced, count / scale
+
+    def _keys(self, bucket: int) -> process_group.KeyCache:
+        """The instance keys of one bucket's all-reduce, kept across retraces."""
+        return self.keys.setdefault(bucket, process_group.KeyCache())
 
     def stand_in(self) -> tf.Tensor:
         """One step with zero gradients, flagged joined; returns how many ranks have joined.

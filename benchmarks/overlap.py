@@ -1,0 +1,234 @@
+"""Overlapped, bucketed gradient all-reduce vs one pack, 2 workers vs 1, on a shaped network link.
+
+    sudo python benchmarks/overlap.py --link veth --rate 1gbit --rounds 5
+    sudo python benchmarks/overlap.py --link loopback --rounds 5
+
+The network: two Linux network namespaces joined by a veth pair (tests/netns.py), one
+worker in each; ``--rate`` shapes both veth ends with ``tc ... tbf`` (this kernel has no
+netem). Shaped veth is an emulation: a token bucket on a virtual link, with the kernel's
+per-packet CPU cost on the same cores as the workers, not a real NIC. ``--link loopback``
+runs both workers in one namespace over 127.0.0.1 instead, as benchmarks/scaling.py does.
+
+The job: the small CNN of benchmarks/scaling.py (1.27 MB of float32 gradients), batch 64
+per worker, synthetic data (tf.data autotune off), Keras ``fit`` under ``tfdist.scope()``,
+every worker pinned to its own core with one intra-op thread. Setups, one ``tfdist run``
+job each, in alternating order every round:
+
+* ``1 worker``: the baseline, in the first namespace;
+* ``one-pack``: 2 workers as tfdist was before buckets: every gradient in one all-reduce
+  after the backward pass (``TFDIST_BUCKET_BYTES=0``) and TensorFlow's default single
+  inter-op thread on a one-core worker;
+* ``overlap``: 2 workers with tfdist's defaults (buckets, last layers first, overlapping
+  the backward pass; 2 inter-op threads);
+* ``... fp16``: ``DistributedOptimizer(compression=Compression.fp16)`` (half the bytes);
+* ``... accum4``: ``DistributedOptimizer(backward_passes_per_step=4)``.
+
+Prints images/s of the whole job and the ratio to the 1-worker job of the same round for
+every round; the medians; each worker's CPU per step (process time) and the ceiling it
+sets, 2 x (1-worker step) / (2-worker CPU per step): no schedule can beat it with both
+cores fully busy; and, from a profiler trace of 16 steps on worker 0 in round 1, the
+collective time per step that ran under compute (hidden) and alone (exposed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+BATCH = 64
+PORT = 29700
+SETUPS = {  # name: (workers, overlap, fp16, backward passes per step)
+    "1 worker": (1, True, False, 1),
+    "one-pack": (2, False, False, 1),
+    "overlap": (2, True, False, 1),
+    "one-pack fp16": (2, False, True, 1),
+    "overlap fp16": (2, True, True, 1),
+    "one-pack accum4": (2, False, False, 4),
+    "overlap accum4": (2, True, False, 4),
+}
+TRACE_STEPS = 16
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One worker: train the setup's model, time ``args.steps`` steps; the chief writes result.json."""
+    rank = int(os.environ["TFDIST_WORKER_INDEX"])
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    workers, overlap, fp16, passes = SETUPS[args.job]
+    if not overlap:
+        os.environ["TFDIST_BUCKET_BYTES"] = "0"
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if not overlap:
+        tf.config.threading.set_inter_op_parallelism_threads(1)  # TensorFlow's default on one core
+    strategy = tfdist.get_strategy()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        if fp16 or passes > 1:
+            optimizer = tfdist.DistributedOptimizer(
+                optimizer, backward_passes_per_step=passes,
+                compression=tfdist.Compression.fp16 if fp16 else tfdist.Compression.none)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    global_batch = BATCH * workers
+    images = tf.random.stateless_uniform((global_batch, 32, 32, 3), seed=(1, 2))
+    labels = tf.random.stateless_uniform((global_batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # one core each (RESULTS.md: autotune's thread costs a pinned worker)
+    data = tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(options)
+    model.fit(data, epochs=1, steps_per_epoch=32, verbose=0)  # tracing, warm-up
+    result = {}
+    if args.trace and workers > 1:
+        from tfdist.bench import trace
+
+        logdir = tempfile.mkdtemp(prefix="tfdist-trace-")
+        if rank == 0:
+            tf.profiler.experimental.start(logdir)
+        model.fit(data, epochs=1, steps_per_epoch=TRACE_STEPS, verbose=0)
+        if rank == 0:
+            tf.profiler.experimental.stop()
+            result["trace"] = dataclasses.asdict(trace.collective_overlap(logdir).per_step(TRACE_STEPS))
+    cpu, start = time.process_time(), time.perf_counter()
+    model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    if rank == 0:
+        result.update(images_per_sec=global_batch * args.steps / seconds, step_ms=1000 * seconds / args.steps,
+                      cpu_ms=1000 * cpu / args.steps,
+                      gradient_bytes=sum(int(v.shape.num_elements()) * 4 for v in model.trainable_variables))
+        pathlib.Path(args.out, "result.json").write_text(json.dumps(result))
+
+
+def run_job(setup: str, hosts, args: argparse.Namespace, trace: bool, port: int) -> dict:
+    """One ``tfdist run`` job of ``setup``; returns the chief's result."""
+    workers = SETUPS[setup][0]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_TOKEN": "benchmark"}
+    with tempfile.TemporaryDirectory() as out:
+        job = [sys.executable, str(pathlib.Path(__file__).resolve()), "--job", setup, "--out", out,
+               "--steps", str(args.steps), *(["--trace"] if trace else [])]
+        if workers == 1 or args.link == "loopback":
+            commands = [hosts[0].command([sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", "300",
+                                          "--", *job])]
+        else:
+            master = f"{hosts[0].address}:{port}"
+            commands = [host.command([sys.executable, "-m", "tfdist.run", "--nnodes", "2", "--node-rank", str(rank),
+                                      "--master", master, "-n", "1", "--timeout", "300", "--", *job])
+                        for rank, host in enumerate(hosts)]
+        launchers = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for c in commands]
+        try:
+            outputs = [launcher.communicate(timeout=400)[0] for launcher in launchers]
+        finally:
+            for launcher in launchers:
+                launcher.kill()
+        result = pathlib.Path(out, "result.json")
+        if not result.exists():
+            raise RuntimeError(f"job {setup!r} gave no result:\n" + "\n".join(o[-3000:] for o in outputs))
+        return json.loads(result.read_text())
+
+
+def shape(hosts, rate: str) -> None:
+    """Shapes both veth ends to ``rate`` (egress only, hence both), or removes the shaping ("none")."""
+    for host in hosts:
+        subprocess.run(host.command(["tc", "qdisc", "del", "dev", host.device, "root"]), capture_output=True)
+        if rate != "none":
+            subprocess.run(host.command(["tc", "qdisc", "add", "dev", host.device, "root", "tbf", "rate", rate,
+                                         "burst", "256kb", "latency", "20ms"]), check=True)
+
+
+def rate_bits(rate: str) -> float | None:
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    return None
+
+
+def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> None:
+    link = "loopback (127.0.0.1, one namespace)" if args.link == "loopback" else (
+        f"veth between 2 namespaces, {'unshaped' if args.rate == 'none' else 'tbf ' + args.rate + ' both ends'}")
+    print(f"\n{link}; {args.steps} timed steps; images/s of the whole job (ratio to '1 worker' of the same round)")
+    print(f"{'setup':<17}{'ratio median':>13}{'cpu/step':>10}{'ceiling':>9}{'of ceiling':>11}   every round")
+    for setup in setups:
+        runs = [r[setup] for r in rounds]
+        ratios = [r[setup]["images_per_sec"] / r["1 worker"]["images_per_sec"] for r in rounds]
+        ceilings = [2 * r["1 worker"]["step_ms"] / r[setup]["cpu_ms"] for r in rounds]
+        cells = ", ".join(f"{run['images_per_sec']:.0f} ({ratio:.2f})" for run, ratio in zip(runs, ratios))
+        ratio, ceiling = statistics.median(ratios), statistics.median(ceilings)
+        cpu = statistics.median(run["cpu_ms"] for run in runs)
+        tail = "" if setup == "1 worker" else f"{ceiling:>9.2f}{ratio / ceiling:>11.2f}"
+        print(f"{setup:<17}{ratio:>13.2f}{cpu:>10.1f}{tail or '':>20}   {cells}")
+    bits = rate_bits(args.rate) if args.link == "veth" else None
+    first = rounds[0]
+    gradient_bytes = first[setups[-1]]["gradient_bytes"]
+    if bits:
+        print(f"wire time of one step's all-reduce at {args.rate} (2 workers send the whole gradient each way): "
+              f"{gradient_bytes * 8 / bits * 1000:.1f} ms float32, {gradient_bytes * 4 / bits * 1000:.1f} ms float16")
+    print(f"1-worker step {statistics.median(r['1 worker']['step_ms'] for r in rounds):.1f} ms (median)")
+    traced = [s for s in setups if "trace" in first[s]]
+    if traced:
+        print(f"round 1, profiler trace of {TRACE_STEPS} steps on worker 0, ms per step:")
+        for setup in traced:
+            t = first[setup]["trace"]
+            print(f"  {setup:<17} step {first[setup]['step_ms']:.1f}: all-reduce {t['collective_ms']:.1f} = "
+                  f"{t['hidden_ms']:.1f} hidden under compute + {t['exposed_ms']:.1f} exposed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--link", choices=("veth", "loopback"), default="veth")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate on both veth ends (e.g. 2gbit, 500mbit) or none")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=192)
+    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+    parser.add_argument("--no-trace", dest="trace_round", action="store_false", help="skip the round-1 trace")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        worker(args)
+        return
+    setups = args.setups.split(",")
+    if "1 worker" not in setups or set(setups) - set(SETUPS):
+        sys.exit(f"--setups must name '1 worker' and only these: {', '.join(SETUPS)}; received {setups}.")
+    sys.path.insert(0, str(REPO))
+    from tests import netns
+
+    reason = netns.unavailable()
+    if reason:
+        sys.exit(f"overlap.py needs network namespaces: {reason}")
+    rounds = []
+    with netns.hosts(prefix="tfdb") as hosts:
+        if args.link == "veth":
+            shape(hosts, args.rate)
+        port = PORT
+        for number in range(args.rounds):
+            order = setups if number % 2 == 0 else setups[::-1]
+            results = {}
+            for setup in order:
+                port += 1
+                results[setup] = run_job(setup, hosts, args, trace=args.trace_round and number == 0, port=port)
+            rounds.append(results)
+            print(f"round {number + 1}: " + ", ".join(
+                f"{s} {results[s]['images_per_sec']:.0f}" for s in setups), flush=True)
+    report(rounds, setups, args)
+
+
+if __name__ == "__main__":
+    main()

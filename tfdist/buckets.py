@@ -1,0 +1,107 @@
+"""Gradient buckets: which gradients share one all-reduce, so communication overlaps the backward pass.
+
+Keras all-reduces every gradient in one pack after the whole backward pass. tfdist
+instead splits them into buckets in reverse variable order (the order the backward pass
+produces them, as PyTorch DDP does): a first bucket of about ``first_bucket_bytes``
+holding the last layers, then buckets of about ``bucket_bytes``. Each bucket is one
+all-reduce that depends only on its own gradients, so inside a ``tf.function`` it starts
+while the earlier layers' gradients are still being computed. A gradient larger than a
+bucket gets one of its own.
+
+The plan is a pure function of the gradients' sizes and the two settings, so every worker
+makes the same one; a worker whose settings differ fails in its first mismatched
+all-reduce (TensorFlow's "Shape mismatch"), not in a hang. Bucketing changes no result
+with 2 workers (a sum of two numbers does not depend on packing); with more, the sums of
+one element may be added in another order (float rounding), identically on every worker.
+
+    tfdist.set_bucket_bytes(8 << 20)   # larger buckets: fewer, later all-reduces
+    tfdist.set_bucket_bytes(0)         # one all-reduce after the backward pass (Keras' way)
+
+``TFDIST_BUCKET_BYTES`` in the environment sets the process's starting value (``tfdist
+run`` passes it to every worker).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+ENV = "TFDIST_BUCKET_BYTES"
+
+_settings: dict[str, int] = {}
+
+
+def set_bucket_bytes(bucket_bytes: int, first_bucket_bytes: int | None = None) -> None:
+    """Sets this process's bucket sizes; 0 turns bucketing off (one all-reduce per step).
+
+    Read when a training step is traced: call it before ``fit`` (or before the first
+    call of your ``tf.function``), with the same values on every worker.
+
+    Args:
+        bucket_bytes: the size a bucket grows to before the next one starts; 0: one bucket.
+        first_bucket_bytes: the first (last layers') bucket; default min(1 MiB, bucket_bytes).
+
+    Raises:
+        ValueError: a size that is not an int >= 0.
+    """
+    _check("bucket_bytes", bucket_bytes)
+    first = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes) if first_bucket_bytes is None else first_bucket_bytes
+    _check("first_bucket_bytes", first)
+    _settings.update(bucket_bytes=bucket_bytes, first_bucket_bytes=first)
+
+
+def bucket_sizes() -> tuple[int, int]:
+    """(bucket_bytes, first_bucket_bytes) for this process: ``set_bucket_bytes``, else the environment."""
+    if not _settings:
+        raw = os.environ.get(ENV, "").strip()
+        value = DEFAULT_BUCKET_BYTES
+        if raw:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"{ENV}={raw!r} is not a whole number of bytes; set it to e.g. {DEFAULT_BUCKET_BYTES} "
+                                 "(4 MiB buckets) or 0 (one all-reduce per step), or unset it.") from None
+        try:
+            set_bucket_bytes(value)
+        except ValueError as error:
+            raise ValueError(f"{ENV}: {error}") from None
+    return _settings["bucket_bytes"], _settings["first_bucket_bytes"]
+
+
+def plan(sizes: Sequence[int], bucket_bytes: int | None = None,
+         first_bucket_bytes: int | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` (bytes per gradient, in variable order) grouped into buckets, in launch order.
+
+    Buckets run from the last gradient to the first; each bucket's indices are ascending.
+    With ``bucket_bytes`` 0 there is one bucket of every index. Defaults: ``bucket_sizes()``.
+    """
+    if bucket_bytes is None:
+        bucket_bytes, first_bucket_bytes = bucket_sizes()
+    if first_bucket_bytes is None:
+        first_bucket_bytes = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes)
+    if bucket_bytes == 0 or not sizes:
+        return [list(range(len(sizes)))] if sizes else []
+    buckets, current, filled, limit = [], [], 0, first_bucket_bytes
+    for index in reversed(range(len(sizes))):
+        current.append(index)
+        filled += sizes[index]
+        if filled >= limit:
+            buckets.append(sorted(current))
+            current, filled, limit = [], 0, bucket_bytes
+    if current:
+        buckets.append(sorted(current))
+    return buckets
+
+
+def nbytes(tensor) -> int:
+    """Bytes of a tensor with a known shape (0 when unknown: such a tensor joins the current bucket)."""
+    count = tensor.shape.num_elements()
+    return 0 if count is None else count * tensor.dtype.size
+
+
+def _check(name: str, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"{name} must be a whole number of bytes >= 0; received {name}={value!r}. "
+                         f"For example {DEFAULT_BUCKET_BYTES} (4 MiB), or 0 for one all-reduce per step.")
