@@ -73,7 +73,10 @@ def test_multi_worker_bench_profiles_the_step_under_the_launcher(tmp_path):
     assert report["runs"][0]["replicas"] == 2 and report["runs"][0]["strategy"] == "CollectiveAllReduceStrategy"
     assert stdout.count("wrote ") == 1  # only the chief reports
     line = re.search(r"\[0\] replicas 2, global batch 8: step ([\d.]+) ms = compute ([\d.]+) \+ all-reduce "
-                     r"([\d.]+) \+ other (-?[\d.]+) \(input ([\d.]+), overlapped\)", stdout)
-    step, compute, allreduce, other, _ = map(float, line.groups())
+                     r"([\d.]+) \+ other (-?[\d.]+) \(input ([\d.]+), overlapped\); in training, all-reduce "
+                     r"([\d.]+) hidden under compute \+ ([\d.]+) exposed", stdout)
+    step, compute, allreduce, other, _, hidden, exposed = map(float, line.groups())
     assert compute > 0 and allreduce > 0 and step == pytest.approx(compute + allreduce + other, abs=0.2)
+    assert hidden + exposed > 0  # the trace found the gradient all-reduces of the training steps
+    assert report["table"][0]["exposed_ms"] == pytest.approx(exposed, abs=0.06)
     assert report["table"][0]["allreduce_ms"] == pytest.approx(allreduce, abs=0.06)

@@ -9,8 +9,9 @@ while the earlier layers' gradients are still being computed. A gradient larger 
 bucket gets one of its own.
 
 The plan is a pure function of the gradients' sizes and the two settings, so every worker
-makes the same one; a worker whose settings differ fails in its first mismatched
-all-reduce (TensorFlow's "Shape mismatch"), not in a hang. Bucketing changes no result
+makes the same one: ``check_agreement`` compares the settings across workers once (one
+eager all-gather when a step is first traced) and raises ``CollectiveMismatchError``
+naming each worker's values, instead of mismatched all-reduces. Bucketing changes no result
 with 2 workers (a sum of two numbers does not depend on packing); with more, the sums of
 one element may be added in another order (float rounding), identically on every worker.
 
@@ -26,11 +27,16 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import tensorflow as tf
+
+from tfdist.errors import CollectiveMismatchError
+
 DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 ENV = "TFDIST_BUCKET_BYTES"
 
 _settings: dict[str, int] = {}
+_agreed: set[tuple] = set()  # (group ranks, sizes) already compared across the group
 
 
 def set_bucket_bytes(bucket_bytes: int, first_bucket_bytes: int | None = None) -> None:
@@ -93,6 +99,28 @@ def plan(sizes: Sequence[int], bucket_bytes: int | None = None,
     if current:
         buckets.append(sorted(current))
     return buckets
+
+
+def check_agreement(group) -> None:
+    """Raises ``CollectiveMismatchError`` unless every member of ``group`` uses this process's bucket sizes.
+
+    ``group`` is a ``tfdist.process_group.ProcessGroup``. One eager all-gather per group and
+    setting: call it where every member plans its buckets (when a step is traced).
+    """
+    sizes = bucket_sizes()
+    key = (group.ranks, sizes)
+    if group.size <= 1 or key in _agreed:
+        return
+    with tf.init_scope():
+        everyone = group.allgather(tf.constant([sizes], tf.int64), device="CPU").numpy().tolist()
+    if any(row != everyone[0] for row in everyone):
+        listing = "; ".join(f"rank {rank}: bucket_bytes={row[0]}, first_bucket_bytes={row[1]}"
+                            for rank, row in enumerate(everyone))
+        raise CollectiveMismatchError(
+            f"Workers plan their gradient buckets with different sizes ({listing}), so their all-reduces would not "
+            f"match. Call tfdist.set_bucket_bytes(...) with the same values on every worker, or set {ENV} the "
+            "same for all of them.")
+    _agreed.add(key)
 
 
 def nbytes(tensor) -> int:

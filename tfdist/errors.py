@@ -7,7 +7,17 @@ class callers already catch (``ValueError`` for bad arguments).
 
 
 class TfdistError(Exception):
-    """Base of every tfdist error."""
+    """Base of every tfdist error.
+
+    Each subclass takes its message as ``Exception`` does, so an error raised while
+    TensorFlow traces a ``tf.function`` (a Keras train step) reaches the caller as itself,
+    not as AutoGraph's ``StagingError`` (which it uses for other constructors).
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = Exception.__init__
 
 
 class ClusterConfigError(ValueError, TfdistError):

@@ -36,7 +36,7 @@ from tfdist import buckets
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 from tfdist.errors import KerasCompatibilityError
-from tfdist import patching
+from tfdist import patching, process_group
 from tfdist.patching import Patch
 
 # The Keras methods _DistributedMixin overrides: if Keras stopped calling them, gradients would
@@ -146,6 +146,8 @@ class _DistributedMixin:
 
         def update():
             reduced = [None] * len(packed)
+            if process_group.is_multi_worker(distribution):
+                buckets.check_agreement(process_group.for_strategy(distribution))
             local = [distribution.experimental_local_results(p)[0] for p in packed]
             for bucket in buckets.plan([buckets.nbytes(p) for p in local]):
                 pairs = [(packed[i], variables[i]) for i in bucket]

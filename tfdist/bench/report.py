@@ -34,7 +34,8 @@ def table_rows(config: BenchConfig, results: Sequence[RunResult]) -> list[dict]:
             parts = profile.StepBreakdown(**result.breakdown)
             row.update({"step_ms": round(parts.step_ms, 2), "compute_ms": round(parts.compute_ms, 2),
                         "allreduce_ms": round(parts.allreduce_ms, 2), "other_ms": round(parts.other_ms, 2),
-                        "input_ms": round(parts.input_ms, 2)})
+                        "input_ms": round(parts.input_ms, 2), "hidden_ms": round(parts.hidden_ms, 2),
+                        "exposed_ms": round(parts.exposed_ms, 2)})
         elif result.input_records_per_sec is not None:
             row["input_records_per_sec"] = round(result.input_records_per_sec, 1)
             row["bound"] = "input-bound" if result.input_records_per_sec < result.images_per_sec else "compute-bound"

@@ -19,6 +19,8 @@ from tfdist import collectives, precision
 from tfdist.bench import models, profile, sources
 from tfdist.bench.config import BenchConfig, JsonRecord
 
+PROFILED_STEPS = 16  # --mode profile: training steps traced to split the all-reduce into hidden and exposed
+
 
 @dataclasses.dataclass(frozen=True)
 class RunResult(JsonRecord):
@@ -90,14 +92,16 @@ def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int
                        global_batch * config.steps_per_epoch, input_rate)
     if config.mode != "profile":
         return result
-    breakdown = step_breakdown(config, strategy, result, build_model, compile_kwargs, model, classes)
+    breakdown = step_breakdown(config, strategy, result, build_model, compile_kwargs, model, classes, dataset)
     tfdist.print(f"replicas {result.replicas}, global batch {global_batch}: {breakdown.describe()}", flush=True)
     return dataclasses.replace(result, breakdown=dataclasses.asdict(breakdown))
 
 
 def step_breakdown(config: BenchConfig, strategy: tf.distribute.Strategy, result: RunResult, build_model,
-                   compile_kwargs, model: keras.Model, classes: int) -> profile.StepBreakdown:
+                   compile_kwargs, model: keras.Model, classes: int, dataset) -> profile.StepBreakdown:
     """Times the parts of one step apart (see tfdist.bench.profile)."""
+    overlap = profile.traced_overlap(model, dataset, min(config.steps_per_epoch, PROFILED_STEPS)) \
+        if result.replicas > 1 else None
     per_replica = result.global_batch // result.replicas
     images = tf.random.stateless_uniform((per_replica, config.image_size, config.image_size, 3), seed=(0, 0))
     labels = tf.random.stateless_uniform((per_replica,), seed=(1, 0), maxval=classes, dtype=tf.int32)
@@ -106,7 +110,8 @@ def step_breakdown(config: BenchConfig, strategy: tf.distribute.Strategy, result
         compute_ms=profile.compute_ms(build_model, compile_kwargs(), (images, labels), config.steps_per_epoch),
         allreduce_ms=profile.allreduce_ms(strategy, model.trainable_variables, num_logged=2),
         input_ms=profile.input_ms(result.input_records_per_sec,
-                                  result.global_batch // collectives.num_workers(strategy)))
+                                  result.global_batch // collectives.num_workers(strategy)),
+        hidden_ms=overlap.hidden_ms if overlap else 0.0, exposed_ms=overlap.exposed_ms if overlap else 0.0)
 
 
 def safe_steps_per_execution(strategy: tf.distribute.Strategy, config: BenchConfig) -> int:

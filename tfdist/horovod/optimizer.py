@@ -116,8 +116,11 @@ class GradientReduction:
         flags = [tf.constant(joined, tf.float32)] if group.size > 1 else []
         # Bucket by bucket, last layers first, so each all-reduce overlaps the rest of the backward pass
         # (tfdist.buckets); eagerly nothing overlaps, so one call (each eager call also checks shapes).
-        plan = [list(range(len(tensors)))] if tf.executing_eagerly() else buckets.plan(
-            [buckets.nbytes(t) for t in tensors])
+        if tf.executing_eagerly():
+            plan = [list(range(len(tensors)))]
+        else:
+            buckets.check_agreement(group)
+            plan = buckets.plan([buckets.nbytes(t) for t in tensors])
         plan = plan or [[]]
         reduced: list = [None] * len(tensors)
         for number, bucket in enumerate(plan):

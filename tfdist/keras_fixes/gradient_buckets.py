@@ -14,7 +14,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-from tfdist import buckets
+from tfdist import buckets, process_group
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -30,6 +30,9 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
     present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
     if context is None or context.num_replicas_in_sync <= 1 or not present:
         return original(self, grads_and_vars)
+    strategy = tf.distribute.get_strategy()
+    if process_group.is_multi_worker(strategy):
+        buckets.check_agreement(process_group.for_strategy(strategy))
     plan = buckets.plan([buckets.nbytes(grads_and_vars[i][0]) for i in present])
     if len(plan) <= 1:
         return original(self, grads_and_vars)

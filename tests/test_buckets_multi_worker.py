@@ -1,0 +1,57 @@
+"""Gradient buckets on 2 real workers: the weights equal the one-pack path bit for bit, in fit, a custom
+loop, accumulation, fp16 and tfdist.horovod; the first bucket does not wait for the whole backward pass."""
+
+import pytest
+
+from tests.jobs import run_job
+
+CASES = ("fit", "tape", "accumulation", "fp16", "hvd_optimizer", "hvd_tape")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=300).check().results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_buckets_give_the_one_pack_weights_bit_for_bit_on_every_worker(job, case):
+    first, second = job[0], job[1]
+    bucketed, one_pack = first[f"{case}/1"], first[f"{case}/0"]
+    assert bucketed["digest"] == one_pack["digest"]
+    assert bucketed["digest"] == second[f"{case}/1"]["digest"]  # identical across workers
+    assert bucketed["losses"] == one_pack["losses"] and bucketed["losses"][-1] < bucketed["losses"][0]
+
+
+@pytest.mark.parametrize("case, counter", [("fit", "all_reduce"), ("tape", "all_reduce"),
+                                           ("accumulation", "batch_reduce_to"), ("fp16", "all_reduce"),
+                                           ("hvd_optimizer", "grouped_allreduce"), ("hvd_tape", "grouped_allreduce")])
+def test_every_gradient_got_its_own_all_reduce(job, case, counter):
+    """set_bucket_bytes(1): one all-reduce per gradient (6), against one for all of them."""
+    bucketed, one_pack = job[0][f"{case}/1"], job[0][f"{case}/0"]
+    per_trace = bucketed["variables"] - 1
+    extra = bucketed["calls"][counter] - one_pack["calls"][counter]
+    assert extra > 0 and extra % per_trace == 0, (bucketed["calls"], one_pack["calls"])
+
+
+def test_the_first_bucket_does_not_wait_for_the_first_layers_gradient(job):
+    """The overlap is in the graph: the last layer's all-reduce can run while earlier gradients are computed."""
+    assert job[0]["tape/1"]["needs_first_gradient"] is False
+    assert job[0]["tape/0"]["needs_first_gradient"] is True  # one pack: after the whole backward pass
+
+
+def test_a_one_core_worker_gets_a_second_inter_op_thread(job):
+    """Without it TensorFlow's executor runs the backward chain inline and queues the bucket's ops behind it."""
+    assert job[0]["inter_op_threads"] == job[1]["inter_op_threads"] == 2
+
+
+def test_workers_with_different_bucket_sizes_fail_instead_of_hanging(tmp_path):
+    result = run_job("buckets_job.py", tmp_path, "mismatch", timeout=120)
+    assert result.returncode != 0
+    for rank in (0, 1):  # AutoGraph puts "in user code: <frames>" before the message; the type is tfdist's
+        error = result.results[rank]["error"]
+        assert error.startswith("CollectiveMismatchError: ")
+        assert error.rstrip().endswith(
+            "Workers plan their gradient buckets with different sizes (rank 0: "
+            "bucket_bytes=0, first_bucket_bytes=0; rank 1: bucket_bytes=1, first_bucket_bytes=1), so their "
+            "all-reduces would not match. Call tfdist.set_bucket_bytes(...) with the same values on every worker, "
+            "or set TFDIST_BUCKET_BYTES the same for all of them.")

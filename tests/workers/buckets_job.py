@@ -1,0 +1,167 @@
+"""2 workers: training with gradient buckets (every gradient its own all-reduce) against one pack.
+
+argv: OUT_DIR [mismatch]. Each case trains the same model from the same weights twice, with
+``tfdist.set_bucket_bytes(1)`` and with 0, and writes both results, how many all-reduce calls
+the optimizer made, and (custom loop) whether the first bucket's collective waits for the first
+layer's gradient. With ``mismatch``, worker 1 alone uses buckets: its fit must fail.
+"""
+
+import hashlib
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+rank = int(os.environ["TFDIST_WORKER_INDEX"])
+os.sched_setaffinity(0, {rank % os.cpu_count()})  # a one-core worker, before the strategy is built
+
+import tfdist  # noqa: E402
+from tfdist import process_group  # noqa: E402
+from tests.workers import common  # noqa: E402
+
+out_dir = sys.argv[1]
+strategy = tfdist.get_strategy()
+GLOBAL, LOCAL = 16, 8
+rng = np.random.default_rng(3)
+x = rng.normal(size=(4 * GLOBAL, 8, 8, 3)).astype("float32")
+y = rng.integers(0, 4, size=(4 * GLOBAL,))
+calls = {"all_reduce": 0, "batch_reduce_to": 0, "grouped_allreduce": 0}
+
+
+def counted(owner, name):
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return original(*args, **kwargs)
+    setattr(owner, name, wrapper)
+
+
+counted(tf.distribute.ReplicaContext, "all_reduce")
+counted(tf.distribute.StrategyExtended, "batch_reduce_to")
+counted(process_group.ProcessGroup, "grouped_allreduce")
+
+
+def build():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def digest(model) -> str:
+    return hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in model.get_weights())).hexdigest()
+
+
+def first_collective_needs_first_gradient(graph, first_gradient: str) -> bool:
+    """Whether the first all-reduce created in ``graph`` depends on the op named ``first_gradient``."""
+    collective = next(op for op in graph.get_operations() if op.type == "CollectiveReduceV2")
+    seen, stack = set(), [collective]
+    while stack:
+        op = stack.pop()
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return first_gradient in seen
+
+
+def fit_case(make_optimizer):
+    with strategy.scope():
+        model = build()
+        model.compile(make_optimizer(), loss_fn())
+    history = model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    return model, history.history["loss"]
+
+
+def tape_case(_):
+    with strategy.scope():
+        model = build()
+        optimizer = keras.optimizers.Adam(0.01)
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    first_gradient = []
+
+    def step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(per_example(labels, model(images, training=True)),
+                                              global_batch_size=GLOBAL)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        first_gradient.append(gradients[0].op.name)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    train_step = tf.function(lambda images, labels: strategy.run(step, args=(images, labels)))
+    losses = []
+    for start in range(0, len(x), GLOBAL):
+        shard = slice(start + rank * LOCAL, start + (rank + 1) * LOCAL)
+        losses.append(float(train_step(x[shard], y[shard])))
+    graph = train_step.get_concrete_function(x[:LOCAL], y[:LOCAL]).graph
+    return model, losses, first_collective_needs_first_gradient(graph, first_gradient[0])
+
+
+def local_half(array):
+    """This worker's half of every global batch, in order."""
+    return np.concatenate([array[s + rank * LOCAL:s + (rank + 1) * LOCAL] for s in range(0, len(array), GLOBAL)])
+
+
+def horovod_case(kind):
+    import tfdist.horovod as hvd
+
+    hvd.init()
+    model = build()  # no strategy: each process its own model, gradients averaged across processes
+    images, labels = local_half(x), local_half(y)
+    if kind == "optimizer":
+        model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss_fn())
+        return model, model.fit(images, labels, batch_size=LOCAL, epochs=2, shuffle=False, verbose=0).history["loss"]
+    optimizer = keras.optimizers.SGD(0.05)
+
+    @tf.function
+    def train_step(batch_images, batch_labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn()(batch_labels, model(batch_images, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    losses = [float(train_step(images[i:i + LOCAL], labels[i:i + LOCAL])) for i in range(0, len(images), LOCAL)]
+    return model, losses
+
+
+CASES = {
+    "fit": lambda: fit_case(lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
+    "tape": lambda: tape_case(None),
+    "accumulation": lambda: fit_case(lambda: tfdist.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), backward_passes_per_step=2)),
+    "fp16": lambda: fit_case(lambda: tfdist.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), compression=tfdist.Compression.fp16)),
+    "hvd_optimizer": lambda: horovod_case("optimizer"),
+    "hvd_tape": lambda: horovod_case("tape"),
+}
+
+if sys.argv[2:] == ["mismatch"]:
+    tfdist.set_bucket_bytes(1 if rank == 1 else 0)
+    try:
+        fit_case(lambda: keras.optimizers.SGD(0.05))
+        common.write_result(out_dir, {"error": None})
+    except Exception as error:  # noqa: BLE001  (the test reads the message)
+        common.write_result(out_dir, {"error": f"{type(error).__name__}: {error}"})
+        raise
+    sys.exit(0)
+
+payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}
+for name, case in CASES.items():
+    for bucket_bytes in (1, 0):
+        tfdist.set_bucket_bytes(bucket_bytes)
+        before = dict(calls)
+        model, losses, *needs = case()
+        payload[f"{name}/{bucket_bytes}"] = {
+            "digest": digest(model), "losses": losses, "needs_first_gradient": needs[0] if needs else None,
+            "calls": {k: calls[k] - before[k] for k in calls},
+            "variables": len(model.trainable_variables)}
+common.write_result(out_dir, payload)
