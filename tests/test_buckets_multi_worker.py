@@ -1,11 +1,14 @@
 """Gradient buckets on 2 real workers: the weights equal the one-pack path bit for bit, in fit, a custom
-loop, accumulation, fp16 and tfdist.horovod; the first bucket does not wait for the whole backward pass."""
+loop, loss scaling, accumulation, fp16 and tfdist.horovod; the first bucket does not wait for the whole
+backward pass."""
 
+import numpy as np
 import pytest
 
 from tests.jobs import run_job
 
-CASES = ("fit", "tape", "accumulation", "fp16", "hvd_optimizer", "hvd_tape")
+CASES = ("fit", "tape", "loss_scale_fit", "loss_scale_tape", "clip_fit", "clip_tape", "accumulation", "fp16",
+         "hvd_optimizer", "hvd_tape")
 
 
 @pytest.fixture(scope="module")
@@ -22,21 +25,26 @@ def test_buckets_give_the_one_pack_weights_bit_for_bit_on_every_worker(job, case
     assert bucketed["losses"] == one_pack["losses"] and bucketed["losses"][-1] < bucketed["losses"][0]
 
 
-@pytest.mark.parametrize("case, counter", [("fit", "all_reduce"), ("tape", "all_reduce"),
-                                           ("accumulation", "batch_reduce_to"), ("fp16", "all_reduce"),
-                                           ("hvd_optimizer", "grouped_allreduce"), ("hvd_tape", "grouped_allreduce")])
-def test_every_gradient_got_its_own_all_reduce(job, case, counter):
+@pytest.mark.parametrize("case, counter, fewer", [
+    ("fit", "all_reduce", 0), ("tape", "all_reduce", 0), ("accumulation", "batch_reduce_to", 0),
+    ("clip_fit", "all_reduce", 0), ("clip_tape", "all_reduce", 0),
+    ("fp16", "all_reduce", 0), ("hvd_optimizer", "grouped_allreduce", 0), ("hvd_tape", "grouped_allreduce", 0),
+    # the LossScaleOptimizer's all-reduce of its "not finite" flag is gone: it checks the sums
+    ("loss_scale_fit", "all_reduce", 1), ("loss_scale_tape", "all_reduce", 1)])
+def test_every_gradient_got_its_own_all_reduce(job, case, counter, fewer):
     """set_bucket_bytes(1): one all-reduce per gradient (6), against one for all of them."""
     bucketed, one_pack = job[0][f"{case}/1"], job[0][f"{case}/0"]
-    per_trace = bucketed["variables"] - 1
+    per_trace = bucketed["variables"] - 1 - fewer
     extra = bucketed["calls"][counter] - one_pack["calls"][counter]
     assert extra > 0 and extra % per_trace == 0, (bucketed["calls"], one_pack["calls"])
 
 
-def test_the_first_bucket_does_not_wait_for_the_first_layers_gradient(job):
-    """The overlap is in the graph: the last layer's all-reduce can run while earlier gradients are computed."""
-    assert job[0]["tape/1"]["needs_first_gradient"] is False
-    assert job[0]["tape/0"]["needs_first_gradient"] is True  # one pack: after the whole backward pass
+@pytest.mark.parametrize("case", ["tape", "loss_scale_tape", "clip_tape"])
+def test_the_first_bucket_does_not_wait_for_the_first_layers_gradient(job, case):
+    """The overlap is in the graph: the last layer's all-reduce can run while earlier gradients are computed
+    (with a LossScaleOptimizer and global clipping too: the finite check and the clipping moved after it)."""
+    assert job[0][f"{case}/1"]["needs_first_gradient"] is False
+    assert job[0][f"{case}/0"]["needs_first_gradient"] is True  # one pack: after the whole backward pass
 
 
 def test_a_one_core_worker_gets_a_second_inter_op_thread(job):
@@ -55,3 +63,9 @@ def test_workers_with_different_bucket_sizes_fail_instead_of_hanging(tmp_path):
             "bucket_bytes=0, first_bucket_bytes=0; rank 1: bucket_bytes=1, first_bucket_bytes=1), so their "
             "all-reduces would not match. Call tfdist.set_bucket_bytes(...) with the same values on every worker, "
             "or set TFDIST_BUCKET_BYTES the same for all of them.")
+
+
+def test_global_clipping_on_two_workers_equals_one_device(job):
+    """Clipping acts on the summed gradient, as on one device (Keras clips each replica's share)."""
+    for got, want in zip(job[0]["clip_fit/1"]["weights"], job[0]["clip_one_device"]):
+        np.testing.assert_allclose(got, want, atol=1e-5)

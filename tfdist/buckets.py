@@ -19,7 +19,7 @@ one element may be added in another order (float rounding), identically on every
     tfdist.set_bucket_bytes(0)         # one all-reduce after the backward pass (Keras' way)
 
 ``TFDIST_BUCKET_BYTES`` in the environment sets the process's starting value (``tfdist
-run`` passes it to every worker).
+run`` passes it to every worker, over ssh too).
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfdist import cluster
 from tfdist.errors import CollectiveMismatchError
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
-ENV = "TFDIST_BUCKET_BYTES"
+ENV = cluster.ENV_BUCKET_BYTES
 
 _settings: dict[str, int] = {}
 _agreed: set[tuple] = set()  # (group ranks, sizes) already compared across the group

@@ -48,6 +48,8 @@ ENV_JOB_DIR = "TFDIST_JOB_DIR"
 ENV_HOROVOD = "TFDIST_HOROVOD"
 # Base port for SLURM jobs: worker with local id k listens on base + k.
 ENV_SLURM_PORT = "TFDIST_PORT"
+# Gradient bucket size in bytes, read by tfdist.buckets (0: one all-reduce per step); every worker needs the same.
+ENV_BUCKET_BYTES = "TFDIST_BUCKET_BYTES"
 DEFAULT_SLURM_PORT = 23456
 
 _TASK_TYPES = ("chief", "worker")

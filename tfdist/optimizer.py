@@ -36,6 +36,7 @@ from tfdist import buckets
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 from tfdist.errors import KerasCompatibilityError
+from tfdist.keras_fixes import gradient_buckets
 from tfdist import patching, process_group
 from tfdist.patching import Patch
 
@@ -121,6 +122,8 @@ class _DistributedMixin:
     def _all_reduce_sum_gradients(self, grads_and_vars):
         """Keras' all-reduce (every micro-batch when there is no accumulation), through ``compression``."""
         grads_and_vars = list(grads_and_vars)
+        if gradient_buckets.already_reduced(self):
+            return grads_and_vars
         packed = [self.compression.compress(g) if g is not None else (None, None) for g, _ in grads_and_vars]
         reduced = super()._all_reduce_sum_gradients([(g, v) for (g, _), (_, v) in zip(packed, grads_and_vars)])
         return [(self.compression.decompress(g, context) if g is not None else None, v)

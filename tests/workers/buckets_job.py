@@ -24,6 +24,7 @@ from tests.workers import common  # noqa: E402
 out_dir = sys.argv[1]
 strategy = tfdist.get_strategy()
 GLOBAL, LOCAL = 16, 8
+CLIP = 0.01  # small enough to clip every step
 rng = np.random.default_rng(3)
 x = rng.normal(size=(4 * GLOBAL, 8, 8, 3)).astype("float32")
 y = rng.integers(0, 4, size=(4 * GLOBAL,))
@@ -79,10 +80,10 @@ def fit_case(make_optimizer):
     return model, history.history["loss"]
 
 
-def tape_case(_):
+def tape_case(make_optimizer):
     with strategy.scope():
         model = build()
-        optimizer = keras.optimizers.Adam(0.01)
+        optimizer = make_optimizer()
     per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     first_gradient = []
 
@@ -90,7 +91,8 @@ def tape_case(_):
         with tf.GradientTape() as tape:
             loss = tf.nn.compute_average_loss(per_example(labels, model(images, training=True)),
                                               global_batch_size=GLOBAL)
-        gradients = tape.gradient(loss, model.trainable_variables)
+            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scale; 1 otherwise
+        gradients = tape.gradient(scaled, model.trainable_variables)
         first_gradient.append(gradients[0].op.name)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
@@ -135,7 +137,12 @@ def horovod_case(kind):
 
 CASES = {
     "fit": lambda: fit_case(lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
-    "tape": lambda: tape_case(None),
+    "tape": lambda: tape_case(lambda: keras.optimizers.Adam(0.01)),
+    "loss_scale_fit": lambda: fit_case(lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9))),
+    "loss_scale_tape": lambda: tape_case(lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01))),
+    "clip_fit": lambda: fit_case(lambda: keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=CLIP)),
+    "clip_tape": lambda: tape_case(lambda: keras.optimizers.Adam(0.01, global_clipnorm=CLIP)),
     "accumulation": lambda: fit_case(lambda: tfdist.DistributedOptimizer(
         keras.optimizers.SGD(0.05, momentum=0.9), backward_passes_per_step=2)),
     "fp16": lambda: fit_case(lambda: tfdist.DistributedOptimizer(
@@ -154,7 +161,11 @@ if sys.argv[2:] == ["mismatch"]:
         raise
     sys.exit(0)
 
-payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads()}
+one_device = build()  # no strategy: the clipped reference a 2-worker run must equal
+one_device.compile(keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=CLIP), loss_fn())
+one_device.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
+           "clip_one_device": [w.tolist() for w in one_device.get_weights()]}
 for name, case in CASES.items():
     for bucket_bytes in (1, 0):
         tfdist.set_bucket_bytes(bucket_bytes)
@@ -163,5 +174,6 @@ for name, case in CASES.items():
         payload[f"{name}/{bucket_bytes}"] = {
             "digest": digest(model), "losses": losses, "needs_first_gradient": needs[0] if needs else None,
             "calls": {k: calls[k] - before[k] for k in calls},
-            "variables": len(model.trainable_variables)}
+            "variables": len(model.trainable_variables),
+            "weights": [w.tolist() for w in model.get_weights()] if name == "clip_fit" else None}
 common.write_result(out_dir, payload)

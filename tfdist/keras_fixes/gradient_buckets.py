@@ -7,14 +7,23 @@ for the whole backward pass. Here the same call is made once per bucket of
 own gradients and runs while the backward pass goes on (TensorFlow orders the collectives
 among themselves, identically on every worker). Any Keras optimizer under any strategy
 with more than one replica, in ``fit`` and in custom loops that call ``apply_gradients``.
+
+What read every gradient before the all-reduce moves after it, so the buckets can start
+early: a ``LossScaleOptimizer``'s finite check (``_reduce_before_the_finite_check``) and
+clipping (``_clip_after_the_all_reduce``, which also makes clipping act on the summed
+gradient, as on one device).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-from tfdist import buckets, process_group
+from tfdist import buckets, patching, process_group
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -27,6 +36,8 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
     """The summed gradients, all-reduced bucket by bucket; Keras' own path with one replica or one bucket."""
     context = tf.distribute.get_replica_context()
     grads_and_vars = list(grads_and_vars)
+    if already_reduced(self):
+        return grads_and_vars
     present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
     if context is None or context.num_replicas_in_sync <= 1 or not present:
         return original(self, grads_and_vars)
@@ -43,3 +54,71 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
         for i, gradient in zip(indices, reduced):
             result[i] = (gradient, grads_and_vars[i][1])
     return result
+
+
+@patch.replaces(LossScaleOptimizer, "_tf_apply", ("self", "grads", "trainable_variables"))
+def _reduce_before_the_finite_check(original, self, grads, trainable_variables=None):
+    """LossScaleOptimizer: all-reduce the scaled gradients (in buckets) first, then check and apply the sums.
+
+    Keras checks every local gradient for inf/nan before the inner optimizer all-reduces, so
+    the all-reduce would wait for the whole backward pass. Reduced first, the check reads the
+    sums, identical on every replica (an overflow anywhere makes the sum inf or nan, so every
+    replica skips the step together), and the inner optimizer applies them without reducing
+    again. Dividing a sum by the loss scale (a power of 2) equals summing the divided
+    gradients. Keras' order stays for accumulation (each micro-batch is checked on its own),
+    under ``tfdist.horovod`` (its optimizer reduces in its own place) and with bucketing off.
+    """
+    inner = self.inner_optimizer
+    context = tf.distribute.get_replica_context()
+    if (context is None or context.num_replicas_in_sync <= 1 or inner.gradient_accumulation_steps
+            or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
+        return original(self, grads, trainable_variables)
+    variables = trainable_variables or self._trainable_variables
+    reduced = [g for g, _ in inner._all_reduce_sum_gradients(list(zip(grads, variables)))]
+    with _reduced(inner):
+        return original(self, reduced, trainable_variables)
+
+
+@patch.replaces(BaseOptimizer, "_clip_gradients", ("self", "grads"))
+def _clip_after_the_all_reduce(original, self, grads):
+    """Under several replicas, Keras' clipping before the all-reduce waits for after it (``_reduce_then_clip``).
+
+    Keras 3 clips each replica's share of the gradient and then sums the shares: a norm or
+    value clipped per replica is not the clipped gradient one device computes, and
+    ``global_clipnorm`` reads every gradient before any all-reduce can start. tf.keras 2
+    clipped the summed gradient; so does tfdist.
+    """
+    return list(grads) if _defers_clipping(self) else original(self, grads)
+
+
+@patch.replaces(TFOptimizer, "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"))
+def _reduce_then_clip(original, self, grads, trainable_variables, learning_rate):
+    """With clipping deferred: all-reduce (in buckets), clip the sums, then Keras' update without reducing again."""
+    if not _defers_clipping(self):
+        return original(self, grads, trainable_variables, learning_rate)
+    reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+    clipped = patching.original_of(BaseOptimizer._clip_gradients)(self, reduced)
+    with _reduced(self):
+        return original(self, clipped, trainable_variables, learning_rate)
+
+
+def _defers_clipping(optimizer) -> bool:
+    """Clipping is configured and the call is in a replica context of several replicas."""
+    context = tf.distribute.get_replica_context()
+    clips = any(value and value > 0 for value in (optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
+    return clips and context is not None and context.num_replicas_in_sync > 1
+
+
+def already_reduced(optimizer) -> bool:
+    """Whether the gradients reaching ``optimizer`` now are sums already (reduced before a check or clipping)."""
+    return getattr(optimizer, "_tfdist_reduced_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _reduced(optimizer):
+    """Marks the gradients ``optimizer`` is about to apply as all-reduced (replicas may nest: a count)."""
+    optimizer._tfdist_reduced_depth = getattr(optimizer, "_tfdist_reduced_depth", 0) + 1
+    try:
+        yield
+    finally:
+        optimizer._tfdist_reduced_depth -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
+from tfdist.keras_fixes import gradient_buckets
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -32,7 +33,7 @@ def _finite_on_every_replica(original, self, grads):
     if reduction is not None:  # tfdist.horovod: every process skips the step, or none does
         finite = reduction.all_finite(finite)
     context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync <= 1:
-        return finite
+    if context is None or context.num_replicas_in_sync <= 1 or gradient_buckets.already_reduced(self.inner_optimizer):
+        return finite  # one replica, or gradients summed over every replica already
     not_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
     return tf.equal(not_finite, 0.0)
