@@ -60,8 +60,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     it composes with ``LossScaleOptimizer`` and saves as the original class (with
     ``gradient_accumulation_steps`` set). ``opt.backward_passes_per_step`` holds k and
     ``opt.tfdist_distributed`` is True. Call it inside the strategy scope, where Keras
-    optimizers must be created. With accumulation, clipping applies to the all-reduced mean
-    gradient (Keras' own path, k=1, clips each replica's share before the all-reduce).
+    optimizers must be created. Clipping applies to the all-reduced (mean) gradient.
 
     Args:
         optimizer: an unbuilt Keras optimizer (not yet used to train).
