@@ -69,3 +69,14 @@ def test_global_clipping_on_two_workers_equals_one_device(job):
     """Clipping acts on the summed gradient, as on one device (Keras clips each replica's share)."""
     for got, want in zip(job[0]["clip_fit/1"]["weights"], job[0]["clip_one_device"]):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_collectives_leave_no_threads_behind(job):
+    """With a collective timeout, TensorFlow 2.21 starts a thread per collective that sleeps the timeout
+    out: 40 steps of 6 all-reduces left 240 threads. tfdist sets no timeout by default."""
+    assert job[0]["threads_added_by_40_steps"] < 20 and job[1]["threads_added_by_40_steps"] < 20
+
+
+def test_multi_worker_processes_reuse_their_cpu_memory(job):
+    """TensorFlow's BFC allocator for CPU tensors: the default one took fresh pages every step."""
+    assert job[0]["cpu_allocator"] == job[1]["cpu_allocator"] == "true"

@@ -1,5 +1,9 @@
 """tfdist.strategy in one process, over the 4 logical CPU devices conftest creates."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -109,3 +113,17 @@ def test_fit_under_mirrored_matches_one_device():
     for got, want in zip(common.train_equivalence(two_replicas), reference):
         np.testing.assert_allclose(got, want, atol=1e-5)
     assert not np.allclose(reference[0], common.equivalence_model().get_weights()[0])  # it did train
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "true"), ("false", "false")])
+def test_the_cpu_allocator_switch_is_set_before_the_runtime_unless_the_user_chose(preset, expected):
+    """configure_cpu_allocator (called when a multi-worker strategy is built) turns on TensorFlow's BFC
+    allocator for CPU tensors, and keeps a value the user set."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    if preset is not None:
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = preset
+    code = ("import os; from tfdist import devices; devices.configure_cpu_allocator(); "
+            "print(os.environ['TF_CPU_ALLOCATOR_USE_BFC'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == expected

@@ -33,7 +33,9 @@ from tfdist import cluster
 from tfdist.errors import CollectiveMismatchError
 
 DEFAULT_BUCKET_BYTES = 4 << 20
-DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
+# 256 KiB: a float16 gradient of 0.6 MB still splits into 2 buckets (with 1 MiB it was one pack, nothing
+# hidden: benchmarks/RESULTS.md, issue 22); about 2 ms at 1 Gbit/s.
+DEFAULT_FIRST_BUCKET_BYTES = 256 << 10
 ENV = cluster.ENV_BUCKET_BYTES
 
 _settings: dict[str, int] = {}
@@ -48,7 +50,7 @@ def set_bucket_bytes(bucket_bytes: int, first_bucket_bytes: int | None = None) -
 
     Args:
         bucket_bytes: the size a bucket grows to before the next one starts; 0: one bucket.
-        first_bucket_bytes: the first (last layers') bucket; default min(1 MiB, bucket_bytes).
+        first_bucket_bytes: the first (last layers') bucket; default min(256 KiB, bucket_bytes).
 
     Raises:
         ValueError: a size that is not an int >= 0.

@@ -3,8 +3,9 @@
 ``resolve_devices`` turns what users write (``None``, ``2``, ``"GPU:*"``, ``"GPU:[0-3]"``,
 ``["GPU:0", "/gpu:1"]``) into TensorFlow's device names; ``pin_gpus`` gives each local
 worker its share of the GPUs (Horovod's pin-by-local-rank); ``configure_cpu_devices``
-splits the CPU for ``tfdist run --cpu-devices``. All of it must happen before TensorFlow's
-runtime starts, which ``runtime_initialized`` tells.
+splits the CPU for ``tfdist run --cpu-devices``; ``configure_inter_op_threads`` and
+``configure_cpu_allocator`` set the runtime up for a multi-worker process. All of it must
+happen before TensorFlow's runtime starts, which ``runtime_initialized`` tells.
 """
 
 from __future__ import annotations
@@ -145,3 +146,19 @@ def configure_inter_op_threads() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cores < MIN_INTER_OP_THREADS:
         tf.config.threading.set_inter_op_parallelism_threads(MIN_INTER_OP_THREADS)
+
+
+CPU_ALLOCATOR_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def configure_cpu_allocator() -> None:
+    """Makes TensorFlow keep freed CPU tensor memory for reuse (its BFC allocator) in a multi-worker process.
+
+    With TensorFlow's default CPU allocator, a MultiWorkerMirroredStrategy worker gets fresh
+    pages from the kernel for its large tensors every step (page faults, zeroing: measured
+    here, 30-40 ms of system time in a 50 ms step of a small CNN; a process without the
+    strategy reuses its memory). ``TF_CPU_ALLOCATOR_USE_BFC=true`` is TensorFlow's own switch,
+    read when its runtime starts; a value the user set is kept.
+    """
+    if not runtime_initialized():
+        os.environ.setdefault(CPU_ALLOCATOR_ENV, "true")

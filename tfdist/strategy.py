@@ -34,13 +34,17 @@ COMMUNICATIONS = {
     "ring": tf.distribute.experimental.CommunicationImplementation.RING,
     "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
 }
-DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+# None: TensorFlow 2.21 gives every collective that has a timeout a thread of its own, which sleeps out
+# the timeout (tsl's Env::SchedClosureAfter): 600 s at tens of collectives a second is thousands of
+# live threads per worker (this machine's pid_max is 32768). Dead peers are noticed without it
+# (heartbeats, tfdist run's supervisor); a stuck but alive peer needs collective_timeout=N.
+DEFAULT_COLLECTIVE_TIMEOUT = None
 # Options scope() accepts besides strategy and devices, with their defaults.
 DEFAULT_OPTIONS = {
     "cross_device_ops": None,     # mirrored: one of CROSS_DEVICE_OPS; None lets TF choose
     "communication": "auto",      # multi_worker: one of COMMUNICATIONS
-    # multi_worker: seconds before a collective that a stuck or dead peer never joins fails,
-    # instead of hanging (tensorflow#35878); None waits forever.
+    # multi_worker: seconds before a collective that a stuck peer never joins fails, instead of
+    # hanging (tensorflow#35878); None (the default) waits: a dead peer is still noticed.
     "collective_timeout": DEFAULT_COLLECTIVE_TIMEOUT,
 }
 
@@ -194,6 +198,7 @@ def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: d
         raise StrategyError(_too_late_message())
     devices_lib.pin_gpus(cluster, devices)
     devices_lib.configure_inter_op_threads()
+    devices_lib.configure_cpu_allocator()
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=COMMUNICATIONS[opts["communication"]],
         timeout_seconds=opts["collective_timeout"],

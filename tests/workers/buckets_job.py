@@ -18,7 +18,7 @@ rank = int(os.environ["TFDIST_WORKER_INDEX"])
 os.sched_setaffinity(0, {rank % os.cpu_count()})  # a one-core worker, before the strategy is built
 
 import tfdist  # noqa: E402
-from tfdist import process_group  # noqa: E402
+from tfdist import devices, process_group  # noqa: E402
 from tests.workers import common  # noqa: E402
 
 out_dir = sys.argv[1]
@@ -176,4 +176,19 @@ for name, case in CASES.items():
             "calls": {k: calls[k] - before[k] for k in calls},
             "variables": len(model.trainable_variables),
             "weights": [w.tolist() for w in model.get_weights()] if name == "clip_fit" else None}
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+tfdist.set_bucket_bytes(1)  # 6 all-reduces a step
+with strategy.scope():
+    model = build()
+    model.compile(keras.optimizers.SGD(0.05), loss_fn())
+model.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=0)
+before = threads()
+model.fit(np.tile(x, (10, 1, 1, 1)), np.tile(y, 10), batch_size=GLOBAL, epochs=1, verbose=0)  # 40 steps
+payload.update(threads_added_by_40_steps=threads() - before,
+               cpu_allocator=os.environ.get(devices.CPU_ALLOCATOR_ENV))
 common.write_result(out_dir, payload)
