@@ -15,9 +15,12 @@ every worker pinned to its own core with one intra-op thread. Setups, one ``tfdi
 job each, in alternating order every round:
 
 * ``1 worker``: the baseline, in the first namespace;
-* ``one-pack``: 2 workers as tfdist was before buckets: every gradient in one all-reduce
-  after the backward pass (``TFDIST_BUCKET_BYTES=0``) and TensorFlow's default single
-  inter-op thread on a one-core worker;
+* ``before``: 2 workers as tfdist was before issue 22: every gradient in one all-reduce
+  after the backward pass (``TFDIST_BUCKET_BYTES=0``), TensorFlow's default single inter-op
+  thread on a one-core worker, its default CPU allocator
+  (``TF_CPU_ALLOCATOR_USE_BFC=false``) and a 600 s collective timeout;
+* ``one-pack``: the same with today's allocator and no timeout: one all-reduce after the
+  backward pass, one inter-op thread;
 * ``overlap``: 2 workers with tfdist's defaults (buckets, last layers first, overlapping
   the backward pass; 2 inter-op threads);
 * ``... fp16``: ``DistributedOptimizer(compression=Compression.fp16)`` (half the bytes);
@@ -48,6 +51,7 @@ BATCH = 64
 PORT = 29700
 SETUPS = {  # name: (workers, overlap, fp16, backward passes per step)
     "1 worker": (1, True, False, 1),
+    "before": (2, False, False, 1),
     "one-pack": (2, False, False, 1),
     "overlap": (2, True, False, 1),
     "one-pack fp16": (2, False, True, 1),
@@ -65,6 +69,10 @@ def worker(args: argparse.Namespace) -> None:
     workers, overlap, fp16, passes = SETUPS[args.job]
     if not overlap:
         os.environ["TFDIST_BUCKET_BYTES"] = "0"
+    strategy_options = {}
+    if args.job == "before":
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "false"
+        strategy_options["collective_timeout"] = 600
     import keras
     import tensorflow as tf
 
@@ -73,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     if not overlap:
         tf.config.threading.set_inter_op_parallelism_threads(1)  # TensorFlow's default on one core
-    strategy = tfdist.get_strategy()
+    strategy = tfdist.get_strategy(**strategy_options)
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((32, 32, 3)),

@@ -33,9 +33,9 @@ from tfdist import cluster
 from tfdist.errors import CollectiveMismatchError
 
 DEFAULT_BUCKET_BYTES = 4 << 20
-# 256 KiB: a float16 gradient of 0.6 MB still splits into 2 buckets (with 1 MiB it was one pack, nothing
-# hidden: benchmarks/RESULTS.md, issue 22); about 2 ms at 1 Gbit/s.
-DEFAULT_FIRST_BUCKET_BYTES = 256 << 10
+# Measured (benchmarks/RESULTS.md, issue 22): a 256 KiB first bucket split a 0.6 MB float16 gradient in
+# two and ran slower than one pack (a collective's fixed CPU cost outweighed the 5 ms it could hide).
+DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 ENV = cluster.ENV_BUCKET_BYTES
 
 _settings: dict[str, int] = {}
@@ -50,7 +50,7 @@ def set_bucket_bytes(bucket_bytes: int, first_bucket_bytes: int | None = None) -
 
     Args:
         bucket_bytes: the size a bucket grows to before the next one starts; 0: one bucket.
-        first_bucket_bytes: the first (last layers') bucket; default min(256 KiB, bucket_bytes).
+        first_bucket_bytes: the first (last layers') bucket; default min(1 MiB, bucket_bytes).
 
     Raises:
         ValueError: a size that is not an int >= 0.
