@@ -32,6 +32,10 @@ class StrategyError(ValueError, TfdistError):
     """A strategy, device spec or option that tfdist cannot build; the message says the fix."""
 
 
+class DistributionError(ValueError, TfdistError):
+    """A ``keras.distribution`` setting tfdist cannot run on TensorFlow (a sharded layout, a bad cluster)."""
+
+
 class PrecisionError(ValueError, TfdistError):
     """A precision name or argument tfdist cannot use; the message says the fix."""
 

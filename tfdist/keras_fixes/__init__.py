@@ -19,6 +19,10 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``uneven``: per-worker data of different lengths: every worker runs the longest's steps.
 * ``xla``: ``compile(jit_compile=True)`` over several CPU replicas is a clear error
   (keras#18145, keras#21366).
+* ``distribution_cluster``: ``keras.distribution.initialize``, ``list_devices``, ``num_processes``,
+  ``process_id`` on TensorFlow (keras#18473), from the cluster tfdist reads.
+* ``distribution``: ``keras.distribution.DataParallel`` (set or as a scope) trains through tfdist's
+  strategy; a layout that shards a variable is a clear error (keras#18473).
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
   (keras#19246); the last call of an epoch runs only the steps left (Keras runs K);
   and ``"auto"``: tfdist picks K.
@@ -34,10 +38,10 @@ __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", 
 def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
-    from tfdist.keras_fixes import (callbacks, gradient_buckets, loss_scale, multi_worker, precision_check,
-                                    replica_state, steps_per_execution, uneven, xla)
+    from tfdist.keras_fixes import (callbacks, distribution, distribution_cluster, gradient_buckets, loss_scale,
+                                    multi_worker, precision_check, replica_state, steps_per_execution, uneven, xla)
 
-    return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
+    return (multi_worker.patch, distribution_cluster.patch, distribution.patch, loss_scale.patch, gradient_buckets.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
             steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, xla.patch, uneven.patch,
             precision_check.patch)
 
