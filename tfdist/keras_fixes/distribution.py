@@ -120,8 +120,8 @@ def _check_output_layout(original, self, path):
         split = _split_axes(layout, self, batch_dim_name=self.batch_dim_name)
         if split:
             raise DistributionError(
-                f"tfdist cannot lay out the output of '{path}' as {tuple(layout.axes)} on TensorFlow: it {split}; "
-                f"only its first dimension may be split, over '{self.batch_dim_name}'. Leave '{path}' out of the "
+                f"tfdist cannot lay out '{path}' as {tuple(layout.axes)} on TensorFlow: it {split}; only a layer "
+                f"output's first dimension may be split, over '{self.batch_dim_name}'. Leave '{path}' out of the "
                 "LayoutMap (or give it a layout of None axes); shard models on the JAX backend.")
     return layout
 

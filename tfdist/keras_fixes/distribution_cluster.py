@@ -75,7 +75,7 @@ def _list_devices(original, device_type=None):
     if not cluster_lib.cluster_from_env().is_multi_worker:
         return original(device_type)
     strategy_lib.get_strategy()  # joins the job: TensorFlow then lists every worker's devices
-    found = [tf.config.DeviceSpec.from_string(d.name) for d in
+    found = [tf.DeviceSpec.from_string(d.name) for d in
              tf.config.list_logical_devices(device_type.upper() if device_type else None)]
     if not device_type:
         accelerators = [d for d in found if d.device_type != "CPU"]
