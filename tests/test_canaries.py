@@ -22,6 +22,7 @@ def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
     """A mixed-precision fit under 2 mirrored replicas, K=2 steps per call, Keras' file and
     early-stopping callbacks, then evaluate and predict: every replaced internal is called."""
     patches = [*keras_fixes.PATCHES, tf_fixes.patch]
+    patches = [p for p in patches if not p.name.startswith("keras_distribution")]  # test_keras_distribution's
     for _, replacement in replacements(patches):
         replacement.calls = 0
     precision.set_policy("mixed_float16")

@@ -19,7 +19,7 @@ from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 
 from tfdist import cluster as cluster_lib
 from tfdist.errors import DistributionError
-from tfdist.keras_fixes import distribution_cluster
+from tfdist.keras_fixes import distribution, distribution_cluster
 from tests.jobs import run_job
 from tests.workers import keras_distribution_guide as guide
 
@@ -93,6 +93,39 @@ def test_a_layer_output_split_beyond_the_batch_is_an_error_naming_it(fresh_distr
                 r"over mesh axis 'model' \(2 devices\); only a layer output's first dimension may be split, over "
                 r"'batch'\. Leave 'dense/output' out of the LayoutMap")):
             guide.make_model()
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x):
+        super().__init__()
+        self.x = x
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return (self.x,)
+
+
+def test_keras_calls_every_internal_tfdist_replaces_for_it(fresh_distribution):
+    """Canary (as tests/test_canaries.py for the other fixes): a user's flow reaches every replacement."""
+    replaced = [r for p in (distribution.patch, distribution_cluster.patch) for r in p.replacements if r.function]
+    for replacement in replaced:
+        replacement.calls = 0
+    keras.distribution.list_devices()
+    with model_parallel((None, "model"), shape=(2, 1)).scope():
+        guide.make_model()
+    keras.distribution.set_distribution(DataParallel(devices=TWO))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    x = np.zeros((4, 2), "float32")
+
+    def generator():
+        while True:
+            yield (x,)
+
+    for data in (x, tf.data.Dataset.from_tensor_slices(x).batch(4), generator(), Batches(x)):
+        model.predict(data, steps=1, verbose=0)
+    assert [f"{getattr(r.owner, '__name__', r.owner)}.{r.attribute}" for r in replaced if r.calls == 0] == []
 
 
 def test_one_process_answers_as_jax_does_for_one_process():

@@ -41,9 +41,9 @@ def patches() -> tuple[Patch, ...]:
     from tfdist.keras_fixes import (callbacks, distribution, distribution_cluster, gradient_buckets, loss_scale,
                                     multi_worker, precision_check, replica_state, steps_per_execution, uneven, xla)
 
-    return (multi_worker.patch, distribution_cluster.patch, distribution.patch, loss_scale.patch, gradient_buckets.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
+    return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
             steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, xla.patch, uneven.patch,
-            precision_check.patch)
+            precision_check.patch, distribution_cluster.patch, distribution.patch)
 
 
 def apply_all() -> None:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import keras.distribution as keras_distribution
 import tensorflow as tf
-from keras.src import distribution as keras_src_distribution
 from keras.src.backend.common import global_state
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 from keras.src.distribution import distribution_lib
-from keras.src.trainers.data_adapters import (array_data_adapter, generator_data_adapter, grain_dataset_adapter,
-                                              py_dataset_adapter, tf_dataset_adapter, torch_data_loader_adapter)
+from keras.src.trainers.data_adapters import (array_data_adapter, generator_data_adapter, py_dataset_adapter,
+                                              tf_dataset_adapter)
 from tensorflow.python.data.experimental.ops import distribute as tf_data_distribute
 
 from tfdist import cluster as cluster_lib
@@ -39,13 +38,13 @@ from tfdist.errors import DistributionError
 from tfdist.patching import Patch
 
 patch = Patch(
-    "keras.distribution on tfdist's strategy", "keras#18473",
+    "keras_distribution", "keras#18473",
     without="keras.distribution.set_distribution(DataParallel()) is accepted and fit trains on one device, "
             "silently; a ModelParallel that shards a kernel trains one unsharded copy.")
 
+# What fit/evaluate/predict take on TensorFlow (NumPy, tf.data, generators, PyDataset), each made a tf.data.Dataset.
 _ADAPTERS = (array_data_adapter.ArrayDataAdapter, tf_dataset_adapter.TFDatasetAdapter,
-             generator_data_adapter.GeneratorDataAdapter, py_dataset_adapter.PyDatasetAdapter,
-             grain_dataset_adapter.GrainDatasetAdapter, torch_data_loader_adapter.TorchDataLoaderAdapter)
+             generator_data_adapter.GeneratorDataAdapter, py_dataset_adapter.PyDatasetAdapter)
 _FIX = ("tfdist keeps a full copy of every variable on every device (data parallelism). Fix: give it a "
         "replicated layout (every axis None) or leave it out of the LayoutMap, use "
         "keras.distribution.DataParallel, or shard models on the JAX backend.")
@@ -73,9 +72,8 @@ def strategy_for(distribution) -> tf.distribute.Strategy:
     return strategy_lib.get_strategy("mirrored" if len(devices) > 1 else "one_device", devices=devices)
 
 
-@patch.replaces(distribution_lib, "set_distribution", ("value",))
-@patch.replaces(keras_src_distribution, "set_distribution", ("value",))
-@patch.replaces(keras_distribution, "set_distribution", ("value",))
+@patch.replaces(distribution_lib, "set_distribution", ("value",))  # what Distribution.scope() calls
+@patch.replaces(keras_distribution, "set_distribution", ("value",))  # the public name, bound when Keras was imported
 def _set_distribution(original, value):
     """Sets Keras' distribution and makes tfdist's strategy for it the process's strategy."""
     global _set_by_tfdist

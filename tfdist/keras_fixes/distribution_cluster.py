@@ -22,7 +22,7 @@ from tfdist.errors import DistributionError
 from tfdist.patching import Patch
 
 patch = Patch(
-    "keras.distribution.initialize and its devices on TensorFlow", "keras#18473",
+    "keras_distribution_cluster", "keras#18473",
     without="keras.distribution.initialize() raises AttributeError on TensorFlow, DataParallel sees one process, "
             "and list_devices() names this process's devices only, without job and task.")
 
