@@ -106,7 +106,7 @@ def _check_variable_layout(original, self, value):
         split = _split_axes(layout, distribution)
         if split:
             raise DistributionError(f"tfdist cannot shard variable '{self.path}' on TensorFlow: its layout "
-                                    f"{tuple(layout.axes)} {split}. {_FIX}")
+                                    f"{_axes(layout)} {split}. {_FIX}")
     original(self, value)
 
 
@@ -118,7 +118,7 @@ def _check_output_layout(original, self, path):
         split = _split_axes(layout, self, batch_dim_name=self.batch_dim_name)
         if split:
             raise DistributionError(
-                f"tfdist cannot lay out '{path}' as {tuple(layout.axes)} on TensorFlow: it {split}; only a layer "
+                f"tfdist cannot lay out '{path}' as {_axes(layout)} on TensorFlow: it {split}; only a layer "
                 f"output's first dimension may be split, over '{self.batch_dim_name}'. Leave '{path}' out of the "
                 "LayoutMap (or give it a layout of None axes); shard models on the JAX backend.")
     return layout
@@ -129,7 +129,7 @@ def distribute_tensor(tensor, layout):
     distribution = global_state.get_global_attribute(distribution_lib.GLOBAL_ATTRIBUTE_NAME)
     split = _split_axes(layout, distribution, batch_dim_name=getattr(distribution, "batch_dim_name", None))
     if split:
-        raise DistributionError(f"tfdist cannot lay out a tensor as {tuple(layout.axes)} on TensorFlow: it {split}. "
+        raise DistributionError(f"tfdist cannot lay out a tensor as {_axes(layout)} on TensorFlow: it {split}. "
                                 "Only the first (batch) dimension can be split.")
     return tensor
 
@@ -142,23 +142,29 @@ def _split_axes(layout, distribution, batch_dim_name: str | None = None) -> str:
 
     With ``batch_dim_name``, dimension 0 may be split over that axis (a data-parallel split).
     """
+    if layout is None:
+        return ""
     mesh = getattr(layout, "device_mesh", None) or getattr(distribution, "device_mesh", None)
     if mesh is None or not hasattr(layout, "axes"):
-        return "is not a keras.distribution.TensorLayout" if layout is not None else ""
+        return "is not a keras.distribution.TensorLayout over a DeviceMesh"
     sizes = dict(zip(mesh.axis_names, mesh.shape))
     split = [f"dimension {i} over mesh axis '{axis}' ({sizes.get(axis)} devices)" for i, axis in enumerate(layout.axes)
              if axis is not None and sizes.get(axis, 1) > 1 and not (i == 0 and axis == batch_dim_name)]
     return f"splits {' and '.join(split)}" if split else ""
 
 
+def _axes(layout):
+    return tuple(layout.axes) if hasattr(layout, "axes") else layout
+
+
 def _split_per_replica(original, self):
     """Under a Keras distribution, each process's batches split over its replicas, in order, sharded nowhere else."""
     dataset = original(self)
     strategy = tf.distribute.get_strategy()
-    replicas = strategy.num_replicas_in_sync // process_group.num_workers(strategy)
     if (distribution_lib.distribution() is None or isinstance(dataset, tf.distribute.DistributedDataset)
             or strategy.num_replicas_in_sync == 1):
         return dataset
+    replicas = strategy.num_replicas_in_sync // process_group.num_workers(strategy)
     if replicas > 1:
         batch = int(tf_data_distribute.compute_batch_size(dataset))
         if batch < 0:
