@@ -135,10 +135,14 @@ def test_one_process_answers_as_jax_does_for_one_process():
     keras.distribution.initialize()  # nothing to join
 
 
-def test_num_processes_and_process_id_come_from_the_launcher(monkeypatch):
+@pytest.mark.parametrize("launcher", [
+    {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"},  # mpirun
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_NODELIST": "node[1-3]", "SLURM_STEP_TASKS_PER_NODE": "1(x3)"},
+], ids=["mpirun", "srun"])
+def test_num_processes_and_process_id_come_from_the_launcher(launcher, monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
     assert (tf_distribution_lib.num_processes(), tf_distribution_lib.process_id()) == (3, 1)
 
 

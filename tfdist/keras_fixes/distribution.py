@@ -179,3 +179,8 @@ def _split_per_replica(original, self):
 
 for _adapter in _ADAPTERS:
     patch.replaces(_adapter, "get_tf_dataset", ("self",))(_split_per_replica)
+# Private functions called above, checked (not replaced) with the rest of the patch.
+patch.overrides(tf_data_distribute, "compute_batch_size", ("dataset",))
+patch.overrides(tf_data_distribute, "batch_sizes_for_worker",
+                ("global_batch_size", "num_workers", "num_replicas_per_worker", "worker_index"))
+patch.overrides(tf_core.Variable, "_validate_shape", ("self", "shape"))
