@@ -95,6 +95,15 @@ def test_a_layer_output_split_beyond_the_batch_is_an_error_naming_it(fresh_distr
             guide.make_model()
 
 
+def test_set_distribution_inside_another_strategys_scope_is_an_error(fresh_distribution):
+    with tf.distribute.MirroredStrategy(["CPU:2", "CPU:3"]).scope():
+        with pytest.raises(DistributionError, match=(
+                r"keras.distribution.set_distribution\(<DataParallel device_mesh=<DeviceMesh shape=\(2,\), "
+                r"axis_names=\['batch'\]>>\) inside `with strategy.scope\(\):` .*: set the distribution outside")):
+            keras.distribution.set_distribution(DataParallel(devices=TWO))
+    assert keras.distribution.distribution() is None
+
+
 class Batches(keras.utils.PyDataset):
     def __init__(self, x):
         super().__init__()
