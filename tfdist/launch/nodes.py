@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.errors import NodeError
-from tfdist.launch import local, master as master_lib, output, supervisor, wire
+from tfdist.launch import lifeline, local, master as master_lib, output, supervisor, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
 _CONNECT_RETRY_SECONDS = 0.5
@@ -53,8 +52,7 @@ def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple
     """
     out = out or sys.stdout.buffer
     say = functools.partial(output.say, out, who=f"tfdist run [node {node_rank}/{nnodes}]")
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, supervisor.raise_stop) if in_main_thread else None
+    previous_handlers = lifeline.stop_on_signals()
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     try:
         if node_rank == 0 and serve_master:
@@ -76,8 +74,7 @@ def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple
         if coordinator is not None:  # a no-op when the job has ended; else the other nodes learn why
             coordinator.stop(exit_code, f"{reason}; stopped all workers on {nnodes} nodes")
             coordinator.close(timeout=grace_period + master_lib.SILENCE_SECONDS)
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
+        lifeline.restore(previous_handlers)
 
 
 class _Node:
@@ -119,8 +116,7 @@ class _Node:
                     summary = f" ({supervisor.summary(self.workers, self.began)})" if self.workers else ""
                     self.say(f"{message['message']}{summary}")
                     return int(message["exit_code"])
-        except (supervisor.Stop, KeyboardInterrupt) as stop:  # a signal between rounds, or while joining
-            stop = stop if isinstance(stop, supervisor.Stop) else supervisor.Stop("interrupted", supervisor.EXIT_INTERRUPTED)
+        except supervisor.Stop as stop:  # a signal between rounds, or while joining
             self.last_words = f"node {self.node_rank}: {stop}"
             self._report_over({"message": self.last_words, "exit_code": stop.exit_code, "restartable": False})
             self.say(f"{stop}; stopped this node's workers")
@@ -224,7 +220,7 @@ class _Node:
             if said.message.get("type") == "end":
                 self.inbox.put(said.message)  # handled by run()
         except supervisor.Stop as stop:  # --timeout, the start watchdog, or a signal to this launcher
-            if stop.exit_code in (supervisor.EXIT_INTERRUPTED, 128 + signal.SIGTERM):
+            if stop.exit_code in (128 + sig for sig in lifeline.SIGNALS):
                 raise  # run() reports it and leaves
             failure = {"message": f"node {self.node_rank}: {stop}", "exit_code": stop.exit_code, "restartable": False}
         self._report_over(failure, port_clash=any(w.saw_port_clash for w in self.workers))
