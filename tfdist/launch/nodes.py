@@ -31,6 +31,7 @@ from tfdist.launch import lifeline, local, master as master_lib, output, supervi
 
 ENV_TOKEN = "TFDIST_TOKEN"
 _CONNECT_RETRY_SECONDS = 0.5
+_RETRY_SAY_SECONDS = 15.0
 
 
 class _MasterSaid(Exception):
@@ -147,17 +148,24 @@ class _Node:
         self.say(f"joined the master at {self.where}; this node's workers listen on {host}")
 
     def _connect(self) -> socket.socket:
+        """Connects to the master, retrying until --start-timeout; says so at once, then every _RETRY_SAY_SECONDS."""
         deadline = time.monotonic() + self.start_timeout
+        said_at = None
         while True:
             try:
                 return socket.create_connection(self.master, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             except OSError as err:
+                why = err.strerror or str(err)
                 if time.monotonic() >= deadline:
                     raise NodeError(
                         f"the master {self.where} did not answer within --start-timeout {self.start_timeout:g}s "
-                        f"({err.strerror or err}): start node 0 with the same --master (it listens there), check "
+                        f"({why}): start node 0 with the same --master (it listens there), check "
                         "that this node can reach that address, and start every node within --start-timeout of "
                         "node 0", master_lib.EXIT_TIMEOUT) from None
+                if said_at is None or time.monotonic() - said_at > _RETRY_SAY_SECONDS:
+                    said_at = time.monotonic()
+                    self.say(f"cannot reach the master at {self.where} yet ({why}); retrying for "
+                             f"{deadline - said_at:.0f}s more (--start-timeout {self.start_timeout:g}s)")
                 time.sleep(_CONNECT_RETRY_SECONDS)
 
     def _ports(self) -> list[int]:

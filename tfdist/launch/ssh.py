@@ -56,6 +56,20 @@ class SshOptions:
             args += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
         return args
 
+    def hostname(self, host: str) -> str:
+        """The address ssh connects to for ``host``: its HostName in the ssh config (``ssh -G``), else ``host``."""
+        try:
+            shown = subprocess.run([*self.argv(), "-G", host], capture_output=True, text=True, timeout=30,
+                                   stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return host  # no ssh here: starting the host says so
+        if shown.returncode != 0:
+            said = " | ".join(line for line in shown.stderr.splitlines() if line.strip()) or "no output"
+            raise master_lib.MasterError(f"ssh cannot read its configuration for host {host!r} ({said}): check "
+                                         "~/.ssh/config or --ssh-config-file.")
+        names = [line.split(None, 1)[1] for line in shown.stdout.splitlines() if line.startswith("hostname ")]
+        return names[0].strip() if names else host
+
 
 @dataclasses.dataclass
 class _Host:
@@ -82,8 +96,13 @@ def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_arg
     """
     out = out or sys.stdout.buffer
     say = lambda message: output.say(out, message, who="tfdist run [hosts]")  # noqa: E731
-    members = [_Host(rank, name, workers, hostlist.is_local(name)) for rank, (name, workers) in enumerate(hosts)]
-    address = _master_address([h.name for h in members if not h.local])
+    try:
+        real = {name: name if hostlist.is_local(name) else ssh.hostname(name) for name, _ in hosts}
+        members = [_Host(rank, name, workers, hostlist.is_local(real[name])) for rank, (name, workers) in enumerate(hosts)]
+        address = _master_address({h.name: real[h.name] for h in members if not h.local})
+    except master_lib.MasterError as err:
+        say(str(err))
+        return master_lib.EXIT_BAD_SETUP
     port = local.free_ports(1, host=address)[0]
     token = secrets.token_hex(16)
     coordinator = master_lib.Master((address, port), len(members), token, start_timeout=start_timeout,
@@ -117,18 +136,31 @@ def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_arg
         lifeline.restore(previous_handlers)
 
 
-def _master_address(remote: Sequence[str]) -> str:
-    """127.0.0.1 when every host is this machine, else this machine's address on the route to a remote host."""
+def _master_address(remote: dict[str, str]) -> str:
+    """127.0.0.1 when every host is this machine, else this machine's address on the route to the remote hosts.
+
+    ``remote`` maps each remote host, as listed, to the address ssh connects to; MasterError
+    names every one that does not resolve.
+    """
     if not remote:
         return "127.0.0.1"
+    resolved, failed = {}, []
+    for name, real in remote.items():
+        try:
+            resolved[name] = socket.getaddrinfo(real, 22, type=socket.SOCK_DGRAM)[0]
+        except OSError as err:
+            failed.append(f"{name!r}{f' (HostName {real})' if real != name else ''}: {err.strerror or err}")
+    if failed:
+        raise master_lib.MasterError(f"cannot resolve {'; '.join(failed)}: check the host names in -H/--hostfile "
+                                     "and ~/.ssh/config (or --ssh-config-file).")
+    name, (family, _, _, _, sockaddr) = next(iter(resolved.items()))
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(remote[0], 22, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)  # no packet is sent
             return probe.getsockname()[0]
     except OSError as err:
-        raise master_lib.MasterError(f"cannot find a route from this machine to host {remote[0]!r} ({err.strerror or err}): "
-                                     "check the host name in -H/--hostfile.") from None
+        raise master_lib.MasterError(f"cannot find a route from this machine to host {name!r} "
+                                     f"({err.strerror or err}): check the host name in -H/--hostfile.") from None
 
 
 def _start(host: _Host, argv: list[str], token: str, ssh: SshOptions, exported: dict[str, str], out, lock) -> None:
