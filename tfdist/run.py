@@ -183,7 +183,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
     for flag, value, low in (("--timeout", args.timeout, 0), ("--start-timeout", args.start_timeout, 0)):
         if value is not None and not (math.isfinite(value) and low < value <= _MAX_SECONDS):
-            raise LaunchError(f"{flag} must be positive seconds, at most {_MAX_SECONDS:g}: received {value}.")
+            raise LaunchError(f"{flag} must be positive seconds: received {value} (give a number up to {_MAX_SECONDS:g}).")
     if not (math.isfinite(args.grace_period) and 0 <= args.grace_period <= _MAX_GRACE_SECONDS):
         raise LaunchError(f"--grace-period must be 0..{_MAX_GRACE_SECONDS:g} seconds (between SIGTERM and SIGKILL): "
                           f"received {args.grace_period}.")

@@ -131,42 +131,36 @@ class _Node:
     def _join(self) -> None:
         if self.host_address is not None:
             _check_local_address(self.host_address)
-        sock = self._connect()
-        host = self.host_address or sock.getsockname()[0]
-        hello = {"node_rank": self.node_rank, "nnodes": self.nnodes, "host": host,
-                 "hostname": socket.gethostname(), "ports": self._ports()}
-        try:
-            self.channel = wire.connect(sock, self.token, hello, f"the master at {self.where}")
-        except wire.Refused as err:
-            sock.close()
-            raise NodeError(f"node 0 (the master at {self.where}) refused this node: {err}. Give every node the same "
-                            f"token ({ENV_TOKEN} or --token).", master_lib.EXIT_BAD_SETUP) from None
-        except wire.WireError as err:
-            sock.close()
-            raise NodeError(f"could not join the master at {self.where}: {err}") from None
+        deadline = time.monotonic() + self.start_timeout
+        retrying = _Retrying(self, deadline)
+        while True:
+            sock = self._connect(retrying)
+            host = self.host_address or sock.getsockname()[0]
+            hello = {"node_rank": self.node_rank, "nnodes": self.nnodes, "host": host,
+                     "hostname": socket.gethostname(), "ports": self._ports()}
+            try:
+                self.channel = wire.connect(sock, self.token, hello, f"the master at {self.where}")
+                break
+            except wire.Refused as err:
+                sock.close()
+                raise NodeError(f"node 0 (the master at {self.where}) refused this node: {err}. Give every node the "
+                                f"same token ({ENV_TOKEN} or --token).", master_lib.EXIT_BAD_SETUP) from None
+            except wire.Foreign as err:
+                sock.close()
+                raise NodeError(f"could not join the master at {self.where}: {err}") from None
+            except wire.WireError as err:  # closed or silent: a master busy turning others away; try again
+                sock.close()
+                retrying.failed(f"it did not complete the handshake: {err}")
         threading.Thread(target=self._read, daemon=True, name="tfdist-node-reader").start()
         self.say(f"joined the master at {self.where}; this node's workers listen on {host}")
 
-    def _connect(self) -> socket.socket:
-        """Connects to the master, retrying until --start-timeout; says so at once, then every _RETRY_SAY_SECONDS."""
-        deadline = time.monotonic() + self.start_timeout
-        said_at = None
+    def _connect(self, retrying: _Retrying) -> socket.socket:
+        """Connects to the master, retrying until ``retrying``'s deadline."""
         while True:
             try:
-                return socket.create_connection(self.master, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                return socket.create_connection(self.master, timeout=max(0.1, min(5.0, retrying.left())))
             except OSError as err:
-                why = err.strerror or str(err)
-                if time.monotonic() >= deadline:
-                    raise NodeError(
-                        f"the master {self.where} did not answer within --start-timeout {self.start_timeout:g}s "
-                        f"({why}): start node 0 with the same --master (it listens there), check "
-                        "that this node can reach that address, and start every node within --start-timeout of "
-                        "node 0", master_lib.EXIT_TIMEOUT) from None
-                if said_at is None or time.monotonic() - said_at > _RETRY_SAY_SECONDS:
-                    said_at = time.monotonic()
-                    self.say(f"cannot reach the master at {self.where} yet ({why}); retrying for "
-                             f"{deadline - said_at:.0f}s more (--start-timeout {self.start_timeout:g}s)")
-                time.sleep(_CONNECT_RETRY_SECONDS)
+                retrying.failed(err.strerror or str(err))
 
     def _ports(self) -> list[int]:
         if self.base_port is not None:
@@ -250,6 +244,30 @@ class _Node:
         message = self._next(block=False)
         if message is not None and message.get("type") in ("stop", "end"):
             raise _MasterSaid(message)
+
+
+class _Retrying:
+    """Tries to reach the master until a deadline: says so at once, then every _RETRY_SAY_SECONDS."""
+
+    def __init__(self, node: _Node, deadline: float):
+        self.node, self.deadline, self.said_at = node, deadline, None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def failed(self, why: str) -> None:
+        """Notes a failed try (NodeError past the deadline) and waits before the next."""
+        node = self.node
+        if self.left() <= 0:
+            raise NodeError(
+                f"the master {node.where} did not answer within --start-timeout {node.start_timeout:g}s ({why}): "
+                "start node 0 with the same --master (it listens there), check that this node can reach that "
+                "address, and start every node within --start-timeout of node 0", master_lib.EXIT_TIMEOUT)
+        if self.said_at is None or time.monotonic() - self.said_at > _RETRY_SAY_SECONDS:
+            self.said_at = time.monotonic()
+            node.say(f"cannot reach the master at {node.where} yet ({why}); retrying for {self.left():.0f}s more "
+                     f"(--start-timeout {node.start_timeout:g}s)")
+        time.sleep(_CONNECT_RETRY_SECONDS)
 
 
 def _check_local_address(address: str) -> None:

@@ -41,6 +41,10 @@ class Refused(WireError):
     """The other side refused this connection; the message says why."""
 
 
+class Foreign(WireError):
+    """What answered does not speak this protocol."""
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
 
@@ -185,12 +189,13 @@ def connect(sock: socket.socket, token: str, hello: dict, master: str) -> Channe
     Raises:
         Refused: the master refused this node (wrong token), or it could not prove it
             knows the token.
-        WireError: whatever answered is not a tfdist master.
+        Foreign: whatever answered is not a tfdist master.
+        WireError: the connection was lost or timed out (a master busy turning others away closes some).
     """
     sock.settimeout(HANDSHAKE_SECONDS)
     greeting = _recv_json(sock)
     if greeting.get("protocol") != PROTOCOL:
-        raise WireError(f"{master} answered, but not as a tfdist master (protocol {greeting.get('protocol')!r})")
+        raise Foreign(f"{master} answered, but not as a tfdist master (protocol {greeting.get('protocol')!r})")
     nonce, mine, secret = str(greeting.get("nonce", "")), secrets.token_hex(16), token.encode()
     signed = json.dumps(hello, sort_keys=True).encode()
     mac = _mac(secret, b"hello", nonce.encode(), mine.encode(), signed).hex()
