@@ -3,6 +3,7 @@
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -242,3 +243,25 @@ def test_launcher_never_imports_tensorflow():
     result = subprocess.run([sys.executable, "-c", code], env=job_env(), capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT)
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client (apt-get install openssh-client)")
+def test_hosts_resolve_as_ssh_does(tmp_path):
+    """-H names are ssh's: HostName from --ssh-config-file; every name that resolves nowhere, named on one line."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host gpu1\n  HostName 127.0.0.1\nHost gpu2\n  HostName no-such-host.invalid\n")
+
+    def run(hosts):
+        return subprocess.run([sys.executable, "-m", "tfdist.run", "-H", hosts, "--ssh-config-file", str(config),
+                               "--", sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "echo"],
+                              env=job_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+    here = run("gpu1:2")  # this machine, by its ssh alias: started without ssh
+    assert here.returncode == 0, here.stdout
+    assert "node 0 (gpu1): 2 worker(s)" in here.stdout and "[1] hello from 1" in here.stdout
+    nowhere = run("gpu2:1,no-such-host-either.invalid:1")
+    assert nowhere.returncode == 2
+    assert ("tfdist run [hosts]: cannot resolve 'gpu2' (HostName no-such-host.invalid): Name or service not known; "
+            "'no-such-host-either.invalid': Name or service not known: check the host names in -H/--hostfile and "
+            "~/.ssh/config (or --ssh-config-file).\n") == nowhere.stdout
+    assert nowhere.stderr == ""
