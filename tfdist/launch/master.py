@@ -93,6 +93,9 @@ class Master:
         self.listener: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.turned_away: list[wire.Channel] = []  # told to go (half-closed); closed with the master
+        self.verdict: dict | None = None  # the "end" message, once the job has ended
+        self.finished = False  # the coordinator has left: handshake threads answer late nodes themselves
+        self.finishing = threading.Lock()
 
     @property
     def where(self) -> str:
@@ -172,7 +175,11 @@ class Master:
             return
         finally:
             self.handshakes.release()
-        self.events.put(("hello", channel, hello, peer))
+        with self.finishing:
+            if not self.finished:
+                self.events.put(("hello", channel, hello, peer))
+                return
+        self._tell_the_verdict(channel)  # a node arriving after the end learns it too
 
     def _read(self, rank: int, channel: wire.Channel) -> None:
         while True:
@@ -230,6 +237,9 @@ class Master:
     def _on_hello(self, channel: wire.Channel, hello: dict, peer: str) -> None:
         rank, nnodes = hello.get("node_rank"), hello.get("nnodes")
         hostname, host = str(hello.get("hostname", peer)), str(hello.get("host", peer))
+        if self.verdict is not None:
+            self._tell_the_verdict(channel)
+            return
         if self.phase != "gather" or self.attempt > 0:
             holder = self.nodes.get(rank) if isinstance(rank, int) else None
             self._send(channel, {"type": "end", "exit_code": EXIT_BAD_SETUP, "message": (
@@ -371,7 +381,12 @@ class Master:
 
     def _end(self, exit_code: int, message: str) -> None:
         self.phase = "ended"
-        self._broadcast({"type": "end", "exit_code": exit_code, "message": message})
+        self.verdict = {"type": "end", "exit_code": exit_code, "message": message}
+        self._broadcast(self.verdict)
+
+    def _tell_the_verdict(self, channel: wire.Channel) -> None:
+        self._send(channel, self.verdict)
+        self._turn_away(channel)
 
     def _wait_for_goodbyes(self) -> None:
         """Lets every node read the verdict and hang up before node 0's launcher exits."""
@@ -384,6 +399,14 @@ class Master:
                 continue
             if event[0] == "lost":
                 open_nodes.discard(event[1])
+            elif event[0] == "hello":
+                self._tell_the_verdict(event[1])
+        with self.finishing:
+            self.finished = True
+        while not self.events.empty():
+            event = self.events.get()
+            if event[0] == "hello":
+                self._tell_the_verdict(event[1])
 
     def _broadcast(self, message: dict) -> None:
         for node in list(self.nodes.values()):
