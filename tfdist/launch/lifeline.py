@@ -59,7 +59,7 @@ def spawn_options() -> dict:
     return {"start_new_session": True, "preexec_fn": die_with_parent}
 
 
-def stop_reason(signum: int) -> Stop:
+def _stop_reason(signum: int) -> Stop:
     """The Stop a signal means: 'interrupted' (130) for SIGINT, 'received SIGTERM' (143), ..."""
     return Stop("interrupted" if signum == signal.SIGINT else f"received {signal.Signals(signum).name}", 128 + signum)
 
@@ -67,11 +67,11 @@ def stop_reason(signum: int) -> Stop:
 def _on_signal(signum, frame) -> None:
     _State.received += 1
     if _State.received == 1 and not _State.stopping:
-        raise stop_reason(signum)
-    kill_all_now()
+        raise _stop_reason(signum)
+    _kill_all_now()
 
 
-def kill_all_now() -> None:
+def _kill_all_now() -> None:
     """SIGKILLs everything ``watch`` registered (a second signal does this)."""
     for kill in list(_State.kills.values()):
         kill()

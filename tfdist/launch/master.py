@@ -149,7 +149,7 @@ class Master:
                 if self.closing or err.errno == errno.EBADF:
                     return
                 if err.errno in _OUT_OF_RESOURCES:  # the connection waits in the backlog meanwhile
-                    self.events.put(("refused", "this node", f"cannot accept a connection ({err.strerror})"))
+                    self.events.put(("refused", "a client", f"out of resources to accept it ({err.strerror})"))
                     pause = min(1.0, max(0.05, 2 * pause))
                     time.sleep(pause)
                 continue
