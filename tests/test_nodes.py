@@ -333,3 +333,56 @@ def test_a_node_says_at_once_that_it_cannot_resolve_its_master(tmp_path):
                            "or service not known); retrying for "), line
     assert said_after < 10
     assert node.returncode == 143 and "received SIGTERM" in rest and "Traceback" not in rest, rest
+
+
+MASTER_AT_ITS_LIMIT = """
+import os, resource, sys
+from tfdist.launch import master
+coordinator = master.Master(("127.0.0.1", int(sys.argv[1])), 1, "t", start_timeout=60, max_restarts=0,
+                            fixed_ports=False, grace_period=1, say=lambda line: print(line, flush=True))
+coordinator.start()
+spare = len(os.listdir("/proc/self/fd")) + 6  # room for 6 connections, no more
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("listening", flush=True)
+coordinator.thread.join(90)
+"""
+
+
+def test_a_master_out_of_descriptors_keeps_accepting():
+    """40 idle connections to a master with room for 6: accept fails (EMFILE) until they go; then a node joins."""
+    from tfdist.launch import wire
+
+    port = local.free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-c", MASTER_AT_ITS_LIMIT, str(port)], env=job_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flood = []
+    try:
+        assert process.stdout.readline() == "listening\n"
+        for _ in range(40):
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(2)  # the master hits its limit meanwhile
+        for sock in flood:
+            sock.close()
+        deadline = time.monotonic() + 60
+        while True:  # as a node's launcher does: retry what the master cut short
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                channel = wire.connect(sock, "t", {"node_rank": 0, "nnodes": 1, "host": "127.0.0.1",
+                                                   "hostname": "test", "ports": [1]}, "the master")
+                break
+            except wire.WireError:
+                sock.close()
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert channel.recv(timeout=30)["type"] == "plan"
+        channel.send({"type": "over", "attempt": 0, "failure": None})
+        while (message := channel.recv(timeout=30))["type"] == "ping":
+            pass
+        assert message == {"type": "end", "exit_code": 0, "message": "all workers finished on 1 nodes"}
+        output = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+        for sock in flood:
+            sock.close()
+    assert "refused a connection from a client: out of resources to accept it (Too many open files)" in output, output
+    assert "Traceback" not in output
