@@ -2,6 +2,8 @@
 
 import json
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +23,29 @@ def launch(tmp_path, mode, *launcher_args, num_workers=2):
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
+
+
+def all_gone(pids, within: float) -> bool:
+    """Whether every process in ``pids`` has ended within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(alive(pid) for pid in pids)
+
+
+def wait_for_pids(tmp_path, count, within=60):
+    deadline = time.monotonic() + within
+    while len(worker_pids(tmp_path)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(worker_pids(tmp_path)) == count, f"only {len(worker_pids(tmp_path))} of {count} workers started"
+    time.sleep(0.5)  # the workers set their SIGTERM handler right after writing their pid
+    return worker_pids(tmp_path)
 
 
 def worker_pids(tmp_path):
@@ -89,6 +109,70 @@ def test_interrupt_stops_every_worker(tmp_path):
     assert not any(alive(pid) for pid in worker_pids(tmp_path))
 
 
+@pytest.mark.parametrize("signals, exit_code", [
+    (["SIGINT", "SIGINT"], 130), (["SIGTERM", "SIGTERM"], 143), (["SIGTERM", "SIGHUP"], 143), (["SIGKILL"], None),
+])
+def test_no_worker_outlives_its_launcher(tmp_path, signals, exit_code):
+    """Workers that swallow SIGTERM (as TensorFlow's preemption handler can), a 60 s grace period: a second signal
+    SIGKILLs them at once and the launcher waits for them; a launcher killed outright takes them with it."""
+    command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--grace-period", "60", "--",
+               sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "ignore_term"]
+    launcher = subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pids = wait_for_pids(tmp_path, 2)
+        for name in signals:
+            launcher.send_signal(getattr(signal, name))
+            time.sleep(1)
+        started = time.monotonic()
+        output, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+        assert all_gone(pids, within=20), output
+    finally:
+        launcher.kill()
+    if exit_code is not None:
+        assert launcher.returncode == exit_code, output
+        assert time.monotonic() - started < 20  # not the grace period
+        assert "stopped all workers (2 worker(s), exit codes [SIGKILL, SIGKILL]" in output, output
+        assert "Traceback" not in output
+
+
+def test_sighup_stops_the_job_as_sigterm_does(tmp_path):
+    command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--grace-period", "1", "--",
+               sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "sleep"]
+    launcher = subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pids = wait_for_pids(tmp_path, 2)
+        launcher.send_signal(signal.SIGHUP)
+        output, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 129
+    assert "received SIGHUP; stopped all workers (2 worker(s), exit codes [SIGTERM, SIGTERM]" in output, output
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_a_closed_reader_never_holds_up_the_job(tmp_path):
+    """`tfdist run ... | head -c 100` ends by itself; a 200 MB line without a newline is relayed in pieces."""
+    measure = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+               "print('launcher', code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)")
+    worker = "import sys; piece = b'x' * (1 << 20); [sys.stdout.buffer.write(piece) for _ in range(200)]"
+    launcher = subprocess.Popen([sys.executable, "-c", measure, sys.executable, "-m", "tfdist.run", "-n", "2", "--",
+                                 sys.executable, "-c", worker],
+                                env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        head = launcher.stdout.read(100)
+        launcher.stdout.close()  # as `head -c 100` does
+        _, errors = launcher.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        launcher.kill()
+    errors = errors.decode()
+    assert head.startswith(b"[0] xxxx") or head.startswith(b"[1] xxxx"), head
+    _, code, max_rss_kib = errors.splitlines()[-1].split()
+    assert code == "0", errors
+    assert errors.count("the reader of this output went away (Broken pipe); dropping the rest of it") == 1, errors
+    assert "Traceback" not in errors and "Exception ignored" not in errors, errors
+    assert int(max_rss_kib) < 120 * 1024, errors  # the launcher (and each worker) stayed far below the line's 200 MB
+
+
 def test_max_restarts_starts_every_worker_again(tmp_path):
     result = launch(tmp_path, "fail_first_attempt", "--max-restarts", "1")
     assert result.returncode == 0, result.stdout
@@ -105,13 +189,43 @@ def test_max_restarts_starts_every_worker_again(tmp_path):
     (["-n", "2", "--max-restarts", "-1", "--", "python"], "--max-restarts must be 0 or more: received -1"),
     (["-n", "2", "--start-timeout", "0", "--", "python"], "--start-timeout must be positive seconds: received 0.0"),
     (["-n", "2", "--port", "80", "--", "python"], "--port must leave room for 2 ports in 1024..65535: received 80"),
+    (["-n", "2", "--timeout", "nan", "--", "python"], "--timeout must be positive seconds: received nan"),
+    (["-n", "2", "--timeout", "inf", "--", "python"], "--timeout must be positive seconds: received inf (give a number "
+                                                       "up to 1e+08)"),
+    (["-n", "2", "--start-timeout", "nan", "--", "python"], "--start-timeout must be positive seconds: received nan"),
+    (["-n", "2", "--grace-period", "nan", "--", "python"], "--grace-period must be 0..3600 seconds (between SIGTERM "
+                                                            "and SIGKILL): received nan"),
+    (["-n", "2", "--grace-period", "-1", "--", "python"], "--grace-period must be 0..3600 seconds (between SIGTERM "
+                                                           "and SIGKILL): received -1.0"),
+    (["-n", "2", "--grace-period", "1e10", "--", "python"], "--grace-period must be 0..3600 seconds (between SIGTERM "
+                                                             "and SIGKILL): received 10000000000.0"),
+    (["-n", "2", "--ray", "--cpus-per-worker", "nan", "--", "python"], "--cpus-per-worker must be 0 or more: "
+                                                                       "received nan"),
+    (["-n", "100000", "--", "python"], "-n 100000 needs about 300064 open files in this launcher, more than its limit "
+                                       "of 1024 (ulimit -n): raise it (ulimit -n 300064) or start fewer workers"),
+    (["-n", "2", "--", "{no_shebang}"], "command '{no_shebang}' cannot be run: it is neither a program nor a script "
+                                        "with a '#!' line (Exec format error): make its first line '#!/usr/bin/env "
+                                        "python3'"),
+    (["-n", "2", "--", "{no_interpreter}"], "command '{no_interpreter}' cannot be run: its interpreter "
+                                            "/no/such/python (its '#!' line) does not exist or is not executable"),
+    (["-n", "2", "--", "{env_no_program}"], "command '{env_no_program}' cannot be run: its '#!' line runs "
+                                            "'python9.99', which is not on PATH"),
 ])
-def test_bad_launcher_arguments_fail_fast(args, message):
+def test_bad_launcher_arguments_fail_fast(tmp_path, args, message):
+    scripts = {"no_shebang": "print('hi')\n", "no_interpreter": "#!/no/such/python\nprint('hi')\n",
+               "env_no_program": "#!/usr/bin/env python9.99\nprint('hi')\n"}
+    for name, text in scripts.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    paths = {name: str(tmp_path / name) for name in scripts}
+    args, message = [a.format(**paths) for a in args], message.format(**paths)
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "tfdist.run", *args], env=job_env(),
-                            capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    result = subprocess.run([sys.executable, "-m", "tfdist.run", *args], env=job_env(), capture_output=True,
+                            text=True, timeout=LAUNCH_TIMEOUT, preexec_fn=lambda: resource.setrlimit(
+                                resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
     assert result.returncode == 2
-    assert message in result.stderr
+    assert f"tfdist run: error: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 10
 
 
@@ -129,3 +243,25 @@ def test_launcher_never_imports_tensorflow():
     result = subprocess.run([sys.executable, "-c", code], env=job_env(), capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT)
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client (apt-get install openssh-client)")
+def test_hosts_resolve_as_ssh_does(tmp_path):
+    """-H names are ssh's: HostName from --ssh-config-file; every name that resolves nowhere, named on one line."""
+    config = tmp_path / "ssh_config"
+    config.write_text("Host gpu1\n  HostName 127.0.0.1\nHost gpu2\n  HostName no-such-host.invalid\n")
+
+    def run(hosts):
+        return subprocess.run([sys.executable, "-m", "tfdist.run", "-H", hosts, "--ssh-config-file", str(config),
+                               "--", sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "echo"],
+                              env=job_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+    here = run("gpu1:2")  # this machine, by its ssh alias: started without ssh
+    assert here.returncode == 0, here.stdout
+    assert "node 0 (gpu1): 2 worker(s)" in here.stdout and "[1] hello from 1" in here.stdout
+    nowhere = run("gpu2:1,no-such-host-either.invalid:1")
+    assert nowhere.returncode == 2
+    assert ("tfdist run [hosts]: cannot resolve 'gpu2' (HostName no-such-host.invalid): Name or service not known; "
+            "'no-such-host-either.invalid': Name or service not known: check the host names in -H/--hostfile and "
+            "~/.ssh/config (or --ssh-config-file).\n") == nowhere.stdout
+    assert nowhere.stderr == ""

@@ -14,7 +14,7 @@ import pytest
 
 from tests.jobs import WORKERS, job_env
 from tests.nodes_jobs import node_command, run_nodes
-from tests.test_launcher import alive, worker_pids
+from tests.test_launcher import alive, all_gone, wait_for_pids, worker_pids
 from tfdist.launch import local
 
 
@@ -235,3 +235,154 @@ def test_the_launcher_imports_neither_tensorflow_nor_ray():
             "print([m for m in ('tensorflow', 'keras', 'ray') if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], env=job_env(), capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize("victim, signals", [(0, ["SIGKILL"]), (1, ["SIGKILL"]), (1, ["SIGHUP"]),
+                                             (0, ["SIGTERM", "SIGINT"])])
+def test_no_worker_of_two_nodes_outlives_a_signalled_launcher(tmp_path, victim, signals):
+    """Workers swallow SIGTERM; 2 s between SIGTERM and SIGKILL, 60 s on a node that gets two signals."""
+    import signal
+
+    master = master_address()
+    processes = [subprocess.Popen(node_command(rank, 2, master, toy(tmp_path, "ignore_term"),
+                                               *(["--grace-period", "60"] if rank == victim and len(signals) > 1
+                                                 else [])),
+                                  env=job_env({"TFDIST_TOKEN": "t"}), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        pids = wait_for_pids(tmp_path, 2)
+        for name in signals:
+            processes[victim].send_signal(getattr(signal, name))
+            time.sleep(1)
+        assert all_gone(pids, within=20)
+        outputs = [p.communicate(timeout=60)[0] for p in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert all(p.returncode != 0 for p in processes), outputs
+    assert not any("Traceback" in output for output in outputs), outputs
+
+
+def test_a_master_survives_a_flood_and_malformed_hellos(tmp_path):
+    """Node 0 runs with 128 file descriptors; 300 idle connections and a hello with a non-ASCII mac come first."""
+    import resource
+
+    master = master_address()
+    host, port = master.split(":")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))  # noqa: E731
+    node0 = subprocess.Popen(node_command(0, 2, master, toy(tmp_path, "echo")), env=job_env({"TFDIST_TOKEN": "t"}),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=limit)
+    flood = []
+    try:
+        assert malformed_hello_answer((host, int(port))) == {"refused": "not a tfdist hello (protocol tfdist-nodes/1)"}
+        until = time.monotonic() + 10
+        while len(flood) < 300 and time.monotonic() < until:
+            try:
+                flood.append(socket.create_connection((host, int(port)), timeout=0.5))
+            except OSError:
+                pass
+        assert len(flood) >= 100
+        [node1] = run_nodes([node_command(1, 2, master, toy(tmp_path, "echo"))], tokens=["t"], timeout=90)
+        output = node0.communicate(timeout=120)[0]
+    finally:
+        node0.kill()
+        for sock in flood:
+            sock.close()
+    assert node1.returncode == 0 and node0.returncode == 0, (node1.output, output)
+    assert "all workers finished on 2 nodes" in output
+    assert output.count("refused a connection from") == 1, output  # then counts, at most every 10 s
+    assert "Traceback" not in output
+
+
+def malformed_hello_answer(address):
+    """What the master answers a hello whose mac is not ASCII (it retries while the master starts)."""
+    import json
+    import struct
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(address, timeout=10) as sock:
+                read = lambda: sock.recv(struct.unpack(">I", sock.recv(4))[0])  # noqa: E731
+                read()  # the master's greeting
+                hello = json.dumps({"hello": {"node_rank": 1}, "nonce": "00", "mac": "\u00e9" * 64}).encode()
+                sock.sendall(struct.pack(">I", len(hello)) + hello)
+                return json.loads(read())
+        except (OSError, struct.error):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_node_says_at_once_that_it_cannot_resolve_its_master(tmp_path):
+    import signal
+
+    node = subprocess.Popen(node_command(1, 2, "no-such-host.invalid:29400", toy(tmp_path, "echo"),
+                                         "--start-timeout", "60"),
+                            env=job_env({"TFDIST_TOKEN": "t"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    started = time.monotonic()
+    try:
+        line = node.stdout.readline()
+        said_after = time.monotonic() - started
+        node.send_signal(signal.SIGTERM)
+        rest = node.communicate(timeout=30)[0]
+    finally:
+        node.kill()
+    assert line.startswith("tfdist run [node 1/2]: cannot reach the master at no-such-host.invalid:29400 yet (Name "
+                           "or service not known); retrying for "), line
+    assert said_after < 10
+    assert node.returncode == 143 and "received SIGTERM" in rest and "Traceback" not in rest, rest
+
+
+MASTER_AT_ITS_LIMIT = """
+import os, resource, sys
+from tfdist.launch import master
+coordinator = master.Master(("127.0.0.1", int(sys.argv[1])), 1, "t", start_timeout=60, max_restarts=0,
+                            fixed_ports=False, grace_period=1, say=lambda line: print(line, flush=True))
+coordinator.start()
+spare = len(os.listdir("/proc/self/fd")) + 6  # room for 6 connections, no more
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("listening", flush=True)
+coordinator.thread.join(90)
+"""
+
+
+def test_a_master_out_of_descriptors_keeps_accepting():
+    """40 idle connections to a master with room for 6: accept fails (EMFILE) until they go; then a node joins."""
+    from tfdist.launch import wire
+
+    port = local.free_ports(1)[0]
+    process = subprocess.Popen([sys.executable, "-c", MASTER_AT_ITS_LIMIT, str(port)], env=job_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    flood = []
+    try:
+        assert process.stdout.readline() == "listening\n"
+        for _ in range(40):
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(2)  # the master hits its limit meanwhile
+        for sock in flood:
+            sock.close()
+        deadline = time.monotonic() + 60
+        while True:  # as a node's launcher does: retry what the master cut short
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                channel = wire.connect(sock, "t", {"node_rank": 0, "nnodes": 1, "host": "127.0.0.1",
+                                                   "hostname": "test", "ports": [1]}, "the master")
+                break
+            except wire.WireError:
+                sock.close()
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert channel.recv(timeout=30)["type"] == "plan"
+        channel.send({"type": "over", "attempt": 0, "failure": None})
+        while (message := channel.recv(timeout=30))["type"] == "ping":
+            pass
+        assert message == {"type": "end", "exit_code": 0, "message": "all workers finished on 1 nodes"}
+        output = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+        for sock in flood:
+            sock.close()
+    assert "refused a connection from a client: out of resources to accept it (Too many open files)" in output, output
+    assert "Traceback" not in output

@@ -126,6 +126,23 @@ def test_two_hosts_one_over_ssh_train_one_job(hosts, tmp_path):
     assert nothing_left_running(hosts)
 
 
+def test_a_host_known_only_to_the_ssh_config_is_reached_by_its_alias(hosts, tmp_path):
+    """-H gpu1 where only --ssh-config-file knows gpu1's HostName (ssh -G): toy workers, no TensorFlow."""
+    made, keys = hosts
+    config = keys / "alias_config"
+    config.write_text(f"Host gpu1\n  HostName {made[1].address}\n" + (keys / "ssh_config").read_text())
+    command = made[0].command([
+        sys.executable, "-m", "tfdist.run", "-H", f"{made[0].address}:1,gpu1:1", "--ssh-port", str(SSH_PORT),
+        "--ssh-identity-file", str(keys / "user_key"), "--ssh-config-file", str(config), "--grace-period", "2",
+        "--start-timeout", "60", "--", sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "echo"])
+    result = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "node 1 (gpu1, over ssh): 1 worker(s)" in output and "[1] hello from 1" in output
+    assert "all workers finished on 2 nodes" in output
+    assert nothing_left_running(hosts)
+
+
 def test_worker_killed_on_the_ssh_host_stops_both_hosts_naming_it(hosts, tmp_path):
     result = launch(hosts, tmp_path, "-x", "HOROVOD_TEST_KILL", env={"HOROVOD_TEST_KILL": "1:0:1:2"})
     output = result.stdout + result.stderr

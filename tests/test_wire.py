@@ -3,6 +3,7 @@
 import json
 import socket
 import threading
+import time
 
 import pytest
 
@@ -85,3 +86,37 @@ def test_what_is_not_the_protocol_is_refused():
     right.sendall(b"GET / HTTP/1.1\r\n\r\n")
     with pytest.raises(wire.WireError, match="a frame of 1195725856 bytes is not this protocol"):
         wire.accept(left, "token", "peer")
+
+
+@pytest.mark.parametrize("hello", [
+    {"hello": {"node_rank": 1}, "nonce": "00", "mac": "\u00e9" * 64},  # not ASCII: hmac would raise TypeError
+    {"hello": {"node_rank": 1}, "nonce": "\ud800", "mac": "0" * 64},  # a lone surrogate: not encodable
+    {"hello": {"node_rank": 1}, "nonce": ["00"], "mac": 5},
+    {"hello": [], "nonce": "00", "mac": "0" * 64},
+])
+def test_a_malformed_hello_is_refused_with_an_answer(hello):
+    left, right = socket.socketpair()
+    wire._send_json(right, hello)
+    with pytest.raises(wire.WireError, match="the first message was not a tfdist hello"):
+        wire.accept(left, "token", "peer")
+    assert wire._recv_json(right)["protocol"] == wire.PROTOCOL  # the greeting
+    assert wire._recv_json(right) == {"refused": "not a tfdist hello (protocol tfdist-nodes/1)"}
+
+
+def test_a_trickling_peer_gets_one_deadline_for_the_whole_handshake():
+    left, right = socket.socketpair()
+
+    def trickle():  # a 16-byte frame, one byte every 0.3 s: each read is quick, the whole is not
+        for byte in b"\0\0\0\x10" + b"x" * 16:
+            try:
+                right.send(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.3)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(wire.WireError, match="timed out waiting for the other side"):
+        wire.accept(left, "token", "peer", seconds=1)
+    assert time.monotonic() - started < 3
+    left.close()

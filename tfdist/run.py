@@ -12,13 +12,19 @@ This module reads the command line; ``tfdist.launch`` does the work (``local``,
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import resource
 import shutil
 import sys
 from typing import Sequence
 
 from tfdist.errors import LaunchError
-from tfdist.launch import hostlist, local, nodes, ssh, supervisor
+from tfdist.launch import hostlist, local, nodes, output, ssh, supervisor
+
+_MAX_SECONDS = 1e8  # about three years: beyond it, timers overflow
+_MAX_GRACE_SECONDS = 3600.0
+_FILES_PER_WORKER = 3  # its output pipe and a port probed for it, with room to spare
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +106,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         exported = _exported(args.env)
     except (LaunchError, hostlist.HostListError) as err:
         parser.error(str(err))
+    out = output.Sink(sys.stdout.buffer)
+    try:
+        return _launch(args, command, hosts, exported, out)
+    finally:
+        out.close()
+
+
+def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[str, str], out) -> int:
+    """Runs the job ``args`` describe, its output going to ``out``; returns the exit code."""
     if hosts is not None:
-        return ssh.launch(command, hosts, node_args=_node_args(args), max_restarts=args.max_restarts,
+        return ssh.launch(command, hosts, node_args=_node_args(args), max_restarts=args.max_restarts, out=out,
                           grace_period=args.grace_period, start_timeout=args.start_timeout,
                           fixed_ports=args.port is not None,
                           ssh=ssh.SshOptions(args.ssh_port, args.ssh_identity_file, args.ssh_config_file),
@@ -114,13 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nnodes > 1 or args.join_only:
         return nodes.launch(command, nnodes=args.nnodes, node_rank=args.node_rank, master=_parse_master(args.master),
                             token=nodes.token_from(args.token), host_address=args.host_address,
-                            serve_master=not args.join_only, **common)
+                            serve_master=not args.join_only, out=out, **common)
     if args.ray is not None:
         from tfdist.launch import ray as ray_hosts  # imports Ray only now
 
         return ray_hosts.launch(command, address=args.ray or None, cpus_per_worker=args.cpus_per_worker,
-                                gpus_per_worker=args.gpus_per_worker, **common)
-    return local.launch(command, **common)
+                                gpus_per_worker=args.gpus_per_worker, out=out, **common)
+    return local.launch(command, out=out, **common)
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -129,14 +144,7 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         command = command[1:]
     if args.num_workers is None and not (args.hosts or args.hostfile):
         raise LaunchError("-n N is required: the number of workers to start, e.g. tfdist run -n 2 -- python train.py")
-    if args.num_workers is not None and args.num_workers < 1:
-        raise LaunchError(f"-n must be at least 1: received -n {args.num_workers}.")
-    if args.cpu_devices is not None and args.cpu_devices < 1:
-        raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
-    if args.timeout is not None and args.timeout <= 0:
-        raise LaunchError(f"--timeout must be positive seconds: received {args.timeout}.")
-    if args.start_timeout <= 0:
-        raise LaunchError(f"--start-timeout must be positive seconds: received {args.start_timeout}.")
+    _check_numbers(args)
     if not args.no_fixes and local.missing_site_hook():
         raise LaunchError(local.missing_site_hook())
     if args.horovod and args.no_fixes:
@@ -149,12 +157,63 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     _check_several_machines(args)
     if not command:
         raise LaunchError("no command to run: put it after --, e.g. tfdist run -n 2 -- python train.py")
-    if shutil.which(command[0]) is None:
+    path = shutil.which(command[0])
+    if path is None:
         raise LaunchError(
             f"command {command[0]!r} was not found (not on PATH, or not executable); "
             "check the spelling, or give its full path."
         )
+    why = _unrunnable(path)
+    if why:
+        where = f" ({path})" if path != command[0] else ""
+        raise LaunchError(f"command {command[0]!r}{where} cannot be run: {why}.")
     return command
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every number is finite and in its range; -n within what this launcher can open."""
+    if args.num_workers is not None and args.num_workers < 1:
+        raise LaunchError(f"-n must be at least 1: received -n {args.num_workers}.")
+    if args.num_workers is not None:
+        limit, needed = resource.getrlimit(resource.RLIMIT_NOFILE)[0], _FILES_PER_WORKER * args.num_workers + 64
+        if limit != resource.RLIM_INFINITY and needed > limit:
+            raise LaunchError(f"-n {args.num_workers} needs about {needed} open files in this launcher, more than its "
+                              f"limit of {limit} (ulimit -n): raise it (ulimit -n {needed}) or start fewer workers.")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
+    for flag, value, low in (("--timeout", args.timeout, 0), ("--start-timeout", args.start_timeout, 0)):
+        if value is not None and not (math.isfinite(value) and low < value <= _MAX_SECONDS):
+            raise LaunchError(f"{flag} must be positive seconds: received {value} (give a number up to {_MAX_SECONDS:g}).")
+    if not (math.isfinite(args.grace_period) and 0 <= args.grace_period <= _MAX_GRACE_SECONDS):
+        raise LaunchError(f"--grace-period must be 0..{_MAX_GRACE_SECONDS:g} seconds (between SIGTERM and SIGKILL): "
+                          f"received {args.grace_period}.")
+    for name in ("cpus_per_worker", "gpus_per_worker"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise LaunchError(f"--{name.replace('_', '-')} must be 0 or more: received {value}.")
+
+
+def _unrunnable(path: str) -> str | None:
+    """Why the program at ``path`` cannot be executed (a script without a '#!' line, a missing interpreter), else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None  # executable but unreadable: let exec decide
+    if head.startswith(b"\x7fELF"):
+        return None
+    if not head.startswith(b"#!"):
+        return ("it is neither a program nor a script with a '#!' line (Exec format error): make its first line "
+                "'#!/usr/bin/env python3' (or its interpreter), or run it with one: tfdist run -n 2 -- python SCRIPT")
+    words = os.fsdecode(head[2:].split(b"\n", 1)[0]).split()
+    if not words:
+        return "its '#!' line names no interpreter"
+    if not os.access(words[0], os.X_OK):
+        return f"its interpreter {words[0]} (its '#!' line) does not exist or is not executable"
+    program = next((w for w in words[1:] if not w.startswith("-")), None)
+    if os.path.basename(words[0]) == "env" and program and "=" not in program and shutil.which(program) is None:
+        return f"its '#!' line runs {program!r}, which is not on PATH"
+    return None
 
 
 def _check_several_machines(args: argparse.Namespace) -> None:
@@ -168,9 +227,6 @@ def _check_several_machines(args: argparse.Namespace) -> None:
                           "places the workers; with --nnodes, you start tfdist run on every node).")
     if args.ray is None and (args.cpus_per_worker is not None or args.gpus_per_worker is not None):
         raise LaunchError("--cpus-per-worker and --gpus-per-worker are Ray resources: add --ray.")
-    for name in ("cpus_per_worker", "gpus_per_worker"):
-        if (getattr(args, name) or 0) < 0:
-            raise LaunchError(f"--{name.replace('_', '-')} must be 0 or more: received {getattr(args, name)}.")
     if args.nnodes == 1 and not args.join_only:
         given = [f"--{n.replace('_', '-')}" for n in ("master", "token", "host_address") if getattr(args, n)]
         if given:

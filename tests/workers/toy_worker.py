@@ -22,6 +22,9 @@ if mode == "fail1" and rank == 1:
     time.sleep(0.5)
     sys.exit(3)
 if mode == "fail_first_attempt" and rank == 1 and attempt == 0:
+    deadline = time.monotonic() + 30
+    while not (out_dir / "pid0.0").exists() and time.monotonic() < deadline:  # worker 0 started too
+        time.sleep(0.05)
     sys.exit(5)
 if mode == "fail_first_attempt":
     sys.exit(0)

@@ -1,8 +1,8 @@
 """The launcher side of ``tfdist run``: starts, watches and stops worker processes.
 
 ``supervisor`` starts a job's workers, watches them and stops them all (every launcher
-uses it); ``supervisor`` starts a job's workers, watches them and stops them all (every launcher
-uses it); ``local`` runs the workers of this machine; ``output`` copies their output; ``site``
+uses it); ``lifeline`` decides what signals to a launcher, and its death, do to its workers;
+``local`` runs the workers of this machine; ``output`` copies their output; ``site``
 holds the ``sitecustomize`` every worker's Python runs first (it arms
 ``tfdist.startup``). A job on several nodes: ``nodes`` (each node's launcher),
 ``master`` (node 0's coordinator) and ``wire`` (their signed messages). ``ray`` places

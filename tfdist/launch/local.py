@@ -15,7 +15,7 @@ import threading
 from typing import IO, Sequence
 
 from tfdist import cluster
-from tfdist.launch import supervisor
+from tfdist.launch import lifeline, supervisor
 from tfdist.launch.supervisor import DEFAULT_START_TIMEOUT, WorkerSettings
 
 ENV_RESTART = "TFDIST_RESTART"
@@ -130,6 +130,10 @@ def run_here(workers, command, addresses, settings, restart, deadline, grace_per
 
 
 def _spawn(command, index: int, env: dict[str, str], settings: WorkerSettings, out, lock) -> supervisor.Worker:
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, **lifeline.spawn_options())
+    except OSError as err:  # what tfdist run's own checks could not foresee (out of descriptors, a race)
+        raise supervisor.Stop(f"could not start worker {index} ({command[0]}: {err.strerror or err})",
+                              127 if isinstance(err, FileNotFoundError) else 126) from None
     return supervisor.relay_output(supervisor.Worker(index, process), process.stdout, settings, out, lock)

@@ -15,12 +15,18 @@ address only, and only for tfdist launchers that prove they know the job's token
 
 Ranks follow node ranks: node 0's workers first. A worker that fails anywhere stops the
 job everywhere; restarts and their count are decided here, for all nodes together.
-Never imports TensorFlow.
+
+Whoever else connects cannot stall it: at most ``MAX_HANDSHAKES`` connections wait for
+their handshake at once (``HANDSHAKE_SECONDS`` each, in all; more are closed at once),
+running out of file descriptors only pauses accepting, and refusals are logged as a
+count. Never imports TensorFlow.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import errno
 import ipaddress
 import queue
 import socket
@@ -37,6 +43,10 @@ PING_SECONDS = 2.0
 SILENCE_SECONDS = 30.0  # a launcher that sends nothing (not even a ping) this long is lost
 _PORT_CLASH_RETRIES = 3
 _ACK_SECONDS = 30.0  # beyond the grace period, for a node to report its workers stopped
+MAX_HANDSHAKES = 32  # connections waiting for their handshake at once
+HANDSHAKE_SECONDS = 5.0  # for a connection to prove it knows the token
+_REFUSALS_SECONDS = 10.0  # at most one line about refused connections this often
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 @dataclasses.dataclass
@@ -70,7 +80,10 @@ class Master:
         self.grace_period, self.say = grace_period, say
         self.events: queue.Queue = queue.Queue()
         self.nodes: dict[int, _Node] = {}
-        self.refusals: list[str] = []
+        self.refusals: collections.Counter = collections.Counter()  # (peer, reason) -> count
+        self.refusals_said, self.refusals_said_at = 0, 0.0
+        self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.closing = False
         self.attempt = self.restarts = self.port_retries = 0
         self.phase = "gather"  # gather -> running -> stopping -> (gather | ended)
         self.deadline = 0.0
@@ -80,6 +93,9 @@ class Master:
         self.listener: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.turned_away: list[wire.Channel] = []  # told to go (half-closed); closed with the master
+        self.verdict: dict | None = None  # the "end" message, once the job has ended
+        self.finished = False  # the coordinator has left: handshake threads answer late nodes themselves
+        self.finishing = threading.Lock()
 
     @property
     def where(self) -> str:
@@ -96,7 +112,7 @@ class Master:
             raise MasterError(
                 f"node 0 cannot listen on --master {self.where} ({err.strerror}): --master must be an address "
                 "of node 0 (the one other nodes reach it at) and a port free there.") from None
-        listener.listen(2 * self.nnodes + 8)
+        listener.listen(max(128, 2 * self.nnodes + 8))
         self.listener = listener
         bound, host = listener.getsockname()[0], self.address[0]
         if ipaddress.ip_address(bound).is_loopback and not (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
@@ -116,6 +132,7 @@ class Master:
         """Waits up to ``timeout`` seconds for the verdict to reach every node, then stops listening."""
         if self.thread is not None:
             self.thread.join(timeout)
+        self.closing = True
         if self.listener is not None:
             self.listener.close()
         for channel in [node.channel for node in self.nodes.values()] + self.turned_away:
@@ -124,21 +141,45 @@ class Master:
     # Threads feeding self.events -------------------------------------------------------
 
     def _accept(self) -> None:
-        while True:
+        pause = 0.0
+        while not self.closing:
             try:
                 sock, peer = self.listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._handshake, args=(sock, peer[0]), daemon=True).start()
+            except OSError as err:
+                if self.closing or err.errno == errno.EBADF:
+                    return
+                if err.errno in _OUT_OF_RESOURCES:  # the connection waits in the backlog meanwhile
+                    self.events.put(("refused", "a client", f"out of resources to accept it ({err.strerror})"))
+                    pause = min(1.0, max(0.05, 2 * pause))
+                    time.sleep(pause)
+                continue
+            pause = 0.0
+            if not self.handshakes.acquire(blocking=False):
+                sock.close()
+                self.events.put(("refused", peer[0], f"over {MAX_HANDSHAKES} connections waiting for their handshake"))
+                continue
+            try:
+                threading.Thread(target=self._handshake, args=(sock, peer[0]), daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                self.handshakes.release()
+                sock.close()
+                self.events.put(("refused", peer[0], "no thread to handle it"))
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         try:
-            channel, hello = wire.accept(sock, self.token, peer)
-        except wire.WireError as err:
-            self.events.put(("refused", peer, str(err)))
+            channel, hello = wire.accept(sock, self.token, peer, HANDSHAKE_SECONDS)
+        except Exception as err:  # WireError, or anything a malformed hello could raise: refuse, never die
+            self.events.put(("refused", peer, str(err) if isinstance(err, wire.WireError) else
+                             f"a malformed hello ({type(err).__name__})"))
             sock.close()
             return
-        self.events.put(("hello", channel, hello, peer))
+        finally:
+            self.handshakes.release()
+        with self.finishing:
+            if not self.finished:
+                self.events.put(("hello", channel, hello, peer))
+                return
+        self._tell_the_verdict(channel)  # a node arriving after the end learns it too
 
     def _read(self, rank: int, channel: wire.Channel) -> None:
         while True:
@@ -168,18 +209,37 @@ class Master:
                 last_ping = time.monotonic()
                 self._broadcast({"type": "ping"})
             self._check_deadline()
+            self._say_refusals()
         self._wait_for_goodbyes()
 
     def _on_abort(self, exit_code: int, message: str) -> None:
         self._end(exit_code, message)
 
     def _on_refused(self, peer: str, reason: str) -> None:
-        self.refusals.append(f"{peer} ({reason})")
-        self.say(f"refused a connection from {peer}: {reason}")
+        self.refusals[(peer, reason)] += 1
+        if not self.refusals_said:
+            self.refusals_said, self.refusals_said_at = 1, time.monotonic()
+            self.say(f"refused a connection from {peer}: {reason}")
+
+    def _say_refusals(self) -> None:
+        """At most every _REFUSALS_SECONDS: how many connections were refused since the last word."""
+        total = sum(self.refusals.values())
+        if total > self.refusals_said and time.monotonic() - self.refusals_said_at > _REFUSALS_SECONDS:
+            self.say(f"refused {total - self.refusals_said} more connection(s); {total} in all: {self._refused()}")
+            self.refusals_said, self.refusals_said_at = total, time.monotonic()
+
+    def _refused(self) -> str:
+        """'127.0.0.1 (wrong token)', or the most frequent three with their counts."""
+        common = [f"{peer} ({reason})" + (f" x{count}" if count > 1 else "")
+                  for (peer, reason), count in self.refusals.most_common(3)]
+        return ", ".join(common) + (f", and {len(self.refusals) - 3} other kind(s)" if len(self.refusals) > 3 else "")
 
     def _on_hello(self, channel: wire.Channel, hello: dict, peer: str) -> None:
         rank, nnodes = hello.get("node_rank"), hello.get("nnodes")
         hostname, host = str(hello.get("hostname", peer)), str(hello.get("host", peer))
+        if self.verdict is not None:
+            self._tell_the_verdict(channel)
+            return
         if self.phase != "gather" or self.attempt > 0:
             holder = self.nodes.get(rank) if isinstance(rank, int) else None
             self._send(channel, {"type": "end", "exit_code": EXIT_BAD_SETUP, "message": (
@@ -301,7 +361,7 @@ class Master:
                       f"workers stopped within {self.grace_period + _ACK_SECONDS:g}s")
             return
         missing = sorted(set(range(self.nnodes)) - {r for r, n in self.nodes.items() if n.ports is not None})
-        refused = f"; refused {len(self.refusals)} connection(s): {', '.join(self.refusals)}" if self.refusals else ""
+        refused = f"; refused {sum(self.refusals.values())} connection(s): {self._refused()}" if self.refusals else ""
         if self.attempt > 0:
             self._end(EXIT_TIMEOUT, f"node(s) {missing} did not restart within --start-timeout {self.start_timeout:g}s")
             return
@@ -321,7 +381,12 @@ class Master:
 
     def _end(self, exit_code: int, message: str) -> None:
         self.phase = "ended"
-        self._broadcast({"type": "end", "exit_code": exit_code, "message": message})
+        self.verdict = {"type": "end", "exit_code": exit_code, "message": message}
+        self._broadcast(self.verdict)
+
+    def _tell_the_verdict(self, channel: wire.Channel) -> None:
+        self._send(channel, self.verdict)
+        self._turn_away(channel)
 
     def _wait_for_goodbyes(self) -> None:
         """Lets every node read the verdict and hang up before node 0's launcher exits."""
@@ -334,6 +399,14 @@ class Master:
                 continue
             if event[0] == "lost":
                 open_nodes.discard(event[1])
+            elif event[0] == "hello":
+                self._tell_the_verdict(event[1])
+        with self.finishing:
+            self.finished = True
+        while not self.events.empty():
+            event = self.events.get()
+            if event[0] == "hello":
+                self._tell_the_verdict(event[1])
 
     def _broadcast(self, message: dict) -> None:
         for node in list(self.nodes.values()):

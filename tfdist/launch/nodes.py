@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -28,10 +27,11 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.errors import NodeError
-from tfdist.launch import local, master as master_lib, output, supervisor, wire
+from tfdist.launch import lifeline, local, master as master_lib, output, supervisor, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
 _CONNECT_RETRY_SECONDS = 0.5
+_RETRY_SAY_SECONDS = 15.0
 
 
 class _MasterSaid(Exception):
@@ -53,8 +53,7 @@ def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple
     """
     out = out or sys.stdout.buffer
     say = functools.partial(output.say, out, who=f"tfdist run [node {node_rank}/{nnodes}]")
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, supervisor.raise_stop) if in_main_thread else None
+    previous_handlers = lifeline.stop_on_signals()
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     try:
         if node_rank == 0 and serve_master:
@@ -76,8 +75,7 @@ def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple
         if coordinator is not None:  # a no-op when the job has ended; else the other nodes learn why
             coordinator.stop(exit_code, f"{reason}; stopped all workers on {nnodes} nodes")
             coordinator.close(timeout=grace_period + master_lib.SILENCE_SECONDS)
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
+        lifeline.restore(previous_handlers)
 
 
 class _Node:
@@ -119,8 +117,7 @@ class _Node:
                     summary = f" ({supervisor.summary(self.workers, self.began)})" if self.workers else ""
                     self.say(f"{message['message']}{summary}")
                     return int(message["exit_code"])
-        except (supervisor.Stop, KeyboardInterrupt) as stop:  # a signal between rounds, or while joining
-            stop = stop if isinstance(stop, supervisor.Stop) else supervisor.Stop("interrupted", supervisor.EXIT_INTERRUPTED)
+        except supervisor.Stop as stop:  # a signal between rounds, or while joining
             self.last_words = f"node {self.node_rank}: {stop}"
             self._report_over({"message": self.last_words, "exit_code": stop.exit_code, "restartable": False})
             self.say(f"{stop}; stopped this node's workers")
@@ -134,35 +131,36 @@ class _Node:
     def _join(self) -> None:
         if self.host_address is not None:
             _check_local_address(self.host_address)
-        sock = self._connect()
-        host = self.host_address or sock.getsockname()[0]
-        hello = {"node_rank": self.node_rank, "nnodes": self.nnodes, "host": host,
-                 "hostname": socket.gethostname(), "ports": self._ports()}
-        try:
-            self.channel = wire.connect(sock, self.token, hello, f"the master at {self.where}")
-        except wire.Refused as err:
-            sock.close()
-            raise NodeError(f"node 0 (the master at {self.where}) refused this node: {err}. Give every node the same "
-                            f"token ({ENV_TOKEN} or --token).", master_lib.EXIT_BAD_SETUP) from None
-        except wire.WireError as err:
-            sock.close()
-            raise NodeError(f"could not join the master at {self.where}: {err}") from None
+        deadline = time.monotonic() + self.start_timeout
+        retrying = _Retrying(self, deadline)
+        while True:
+            sock = self._connect(retrying)
+            host = self.host_address or sock.getsockname()[0]
+            hello = {"node_rank": self.node_rank, "nnodes": self.nnodes, "host": host,
+                     "hostname": socket.gethostname(), "ports": self._ports()}
+            try:
+                self.channel = wire.connect(sock, self.token, hello, f"the master at {self.where}")
+                break
+            except wire.Refused as err:
+                sock.close()
+                raise NodeError(f"node 0 (the master at {self.where}) refused this node: {err}. Give every node the "
+                                f"same token ({ENV_TOKEN} or --token).", master_lib.EXIT_BAD_SETUP) from None
+            except wire.Foreign as err:
+                sock.close()
+                raise NodeError(f"could not join the master at {self.where}: {err}") from None
+            except wire.WireError as err:  # closed or silent: a master busy turning others away; try again
+                sock.close()
+                retrying.failed(f"it did not complete the handshake: {err}")
         threading.Thread(target=self._read, daemon=True, name="tfdist-node-reader").start()
         self.say(f"joined the master at {self.where}; this node's workers listen on {host}")
 
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self.start_timeout
+    def _connect(self, retrying: _Retrying) -> socket.socket:
+        """Connects to the master, retrying until ``retrying``'s deadline."""
         while True:
             try:
-                return socket.create_connection(self.master, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                return socket.create_connection(self.master, timeout=max(0.1, min(5.0, retrying.left())))
             except OSError as err:
-                if time.monotonic() >= deadline:
-                    raise NodeError(
-                        f"the master {self.where} did not answer within --start-timeout {self.start_timeout:g}s "
-                        f"({err.strerror or err}): start node 0 with the same --master (it listens there), check "
-                        "that this node can reach that address, and start every node within --start-timeout of "
-                        "node 0", master_lib.EXIT_TIMEOUT) from None
-                time.sleep(_CONNECT_RETRY_SECONDS)
+                retrying.failed(err.strerror or str(err))
 
     def _ports(self) -> list[int]:
         if self.base_port is not None:
@@ -224,7 +222,7 @@ class _Node:
             if said.message.get("type") == "end":
                 self.inbox.put(said.message)  # handled by run()
         except supervisor.Stop as stop:  # --timeout, the start watchdog, or a signal to this launcher
-            if stop.exit_code in (supervisor.EXIT_INTERRUPTED, 128 + signal.SIGTERM):
+            if stop.exit_code in (128 + sig for sig in lifeline.SIGNALS):
                 raise  # run() reports it and leaves
             failure = {"message": f"node {self.node_rank}: {stop}", "exit_code": stop.exit_code, "restartable": False}
         self._report_over(failure, port_clash=any(w.saw_port_clash for w in self.workers))
@@ -246,6 +244,30 @@ class _Node:
         message = self._next(block=False)
         if message is not None and message.get("type") in ("stop", "end"):
             raise _MasterSaid(message)
+
+
+class _Retrying:
+    """Tries to reach the master until a deadline: says so at once, then every _RETRY_SAY_SECONDS."""
+
+    def __init__(self, node: _Node, deadline: float):
+        self.node, self.deadline, self.said_at = node, deadline, None
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def failed(self, why: str) -> None:
+        """Notes a failed try (NodeError past the deadline) and waits before the next."""
+        node = self.node
+        if self.left() <= 0:
+            raise NodeError(
+                f"the master {node.where} did not answer within --start-timeout {node.start_timeout:g}s ({why}): "
+                "start node 0 with the same --master (it listens there), check that this node can reach that "
+                "address, and start every node within --start-timeout of node 0", master_lib.EXIT_TIMEOUT)
+        if self.said_at is None or time.monotonic() - self.said_at > _RETRY_SAY_SECONDS:
+            self.said_at = time.monotonic()
+            node.say(f"cannot reach the master at {node.where} yet ({why}); retrying for {self.left():.0f}s more "
+                     f"(--start-timeout {node.start_timeout:g}s)")
+        time.sleep(_CONNECT_RETRY_SECONDS)
 
 
 def _check_local_address(address: str) -> None:

@@ -31,7 +31,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster, extras
 from tfdist.errors import RayLaunchError
-from tfdist.launch import local, output, supervisor
+from tfdist.launch import lifeline, local, output, supervisor
 
 EXIT_NO_RAY = 2
 _POLL_SECONDS = 0.5
@@ -59,11 +59,11 @@ class WorkerHost:
         env.update(env_extra)
         self.process = subprocess.Popen(list(command), env=env, cwd=cwd if os.path.isdir(cwd) else None,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+                                        **lifeline.spawn_options())
         threading.Thread(target=self._collect, daemon=True).start()
 
     def _collect(self) -> None:
-        for line in iter(self.process.stdout.readline, b""):
+        for line in iter(lambda: self.process.stdout.readline(output.CHUNK), b""):
             with self.changed:
                 self.lines.append(line)
                 self.changed.notify_all()
@@ -119,7 +119,8 @@ class _RemoteProcess:
         except Exception:  # the actor is gone: so is its process
             pass
 
-    def readline(self) -> bytes:
+    def readline(self, size: int = -1) -> bytes:
+        """The next piece of output, as the actor cut it (``size`` is its limit there)."""
         while not self.buffer and not self.ended.is_set():
             try:
                 lines, code, eof, marks = self.ray.get(self.actor.poll.remote(_POLL_SECONDS))

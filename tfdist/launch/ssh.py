@@ -15,6 +15,7 @@ at the same path (the current directory is used there too). Standard library onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import secrets
 import shlex
@@ -28,7 +29,7 @@ from collections import deque
 from typing import IO, Sequence
 
 from tfdist import cluster
-from tfdist.launch import hostlist, local, master as master_lib, nodes, output, supervisor
+from tfdist.launch import hostlist, lifeline, local, master as master_lib, nodes, output, supervisor
 
 # Variables a remote host's launcher gets from this one (besides the token, sent on stdin).
 _FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES)
@@ -54,6 +55,20 @@ class SshOptions:
         if self.identity_file:
             args += ["-i", self.identity_file, "-o", "IdentitiesOnly=yes"]
         return args
+
+    def hostname(self, host: str) -> str:
+        """The address ssh connects to for ``host``: its HostName in the ssh config (``ssh -G``), else ``host``."""
+        try:
+            shown = subprocess.run([*self.argv(), "-G", host], capture_output=True, text=True, timeout=30,
+                                   stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return host  # no ssh here: starting the host says so
+        if shown.returncode != 0:
+            said = " | ".join(line for line in shown.stderr.splitlines() if line.strip()) or "no output"
+            raise master_lib.MasterError(f"ssh cannot read its configuration for host {host!r} ({said}): check "
+                                         "~/.ssh/config or --ssh-config-file.")
+        names = [line.split(None, 1)[1] for line in shown.stdout.splitlines() if line.startswith("hostname ")]
+        return names[0].strip() if names else host
 
 
 @dataclasses.dataclass
@@ -81,16 +96,20 @@ def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_arg
     """
     out = out or sys.stdout.buffer
     say = lambda message: output.say(out, message, who="tfdist run [hosts]")  # noqa: E731
-    members = [_Host(rank, name, workers, hostlist.is_local(name)) for rank, (name, workers) in enumerate(hosts)]
-    address = _master_address([h.name for h in members if not h.local])
+    try:
+        real = {name: name if hostlist.is_local(name) else ssh.hostname(name) for name, _ in hosts}
+        members = [_Host(rank, name, workers, hostlist.is_local(real[name])) for rank, (name, workers) in enumerate(hosts)]
+        address = _master_address({h.name: real[h.name] for h in members if not h.local})
+    except master_lib.MasterError as err:
+        say(str(err))
+        return master_lib.EXIT_BAD_SETUP
     port = local.free_ports(1, host=address)[0]
     token = secrets.token_hex(16)
     coordinator = master_lib.Master((address, port), len(members), token, start_timeout=start_timeout,
                                     max_restarts=max_restarts, fixed_ports=fixed_ports, grace_period=grace_period,
                                     say=lambda message: output.say(out, message, who="tfdist run [master]"))
     lock = threading.Lock()
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, supervisor.raise_stop) if in_main_thread else None
+    previous_handlers = lifeline.stop_on_signals()
     exit_code = 1
     try:
         coordinator.start()
@@ -102,8 +121,7 @@ def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_arg
             _start(host, argv, token, ssh, env or {}, out, lock)
         exit_code = _watch(members, coordinator, grace_period)
         return exit_code
-    except (supervisor.Stop, KeyboardInterrupt) as stop:
-        stop = stop if isinstance(stop, supervisor.Stop) else supervisor.Stop("interrupted", supervisor.EXIT_INTERRUPTED)
+    except supervisor.Stop as stop:
         coordinator.stop(stop.exit_code, f"{stop} (tfdist run on {socket.gethostname()})")
         exit_code = stop.exit_code
         return exit_code
@@ -112,52 +130,63 @@ def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_arg
         return master_lib.EXIT_BAD_SETUP
     finally:
         coordinator.stop(exit_code, "tfdist run -H stopped")  # a no-op once the job has ended
-        _stop_hosts(members, grace_period + master_lib.SILENCE_SECONDS)
+        with lifeline.stopping():  # a signal now SIGKILLs every host's launcher (and so its workers)
+            _stop_hosts(members, grace_period + master_lib.SILENCE_SECONDS)
         coordinator.close(timeout=grace_period + master_lib.SILENCE_SECONDS)
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        lifeline.restore(previous_handlers)
 
 
-def _master_address(remote: Sequence[str]) -> str:
-    """127.0.0.1 when every host is this machine, else this machine's address on the route to a remote host."""
+def _master_address(remote: dict[str, str]) -> str:
+    """127.0.0.1 when every host is this machine, else this machine's address on the route to the remote hosts.
+
+    ``remote`` maps each remote host, as listed, to the address ssh connects to; MasterError
+    names every one that does not resolve.
+    """
     if not remote:
         return "127.0.0.1"
+    resolved, failed = {}, []
+    for name, real in remote.items():
+        try:
+            resolved[name] = socket.getaddrinfo(real, 22, type=socket.SOCK_DGRAM)[0]
+        except OSError as err:
+            failed.append(f"{name!r}{f' (HostName {real})' if real != name else ''}: {err.strerror or err}")
+    if failed:
+        raise master_lib.MasterError(f"cannot resolve {'; '.join(failed)}: check the host names in -H/--hostfile "
+                                     "and ~/.ssh/config (or --ssh-config-file).")
+    name, (family, _, _, _, sockaddr) = next(iter(resolved.items()))
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(remote[0], 22, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)  # no packet is sent
             return probe.getsockname()[0]
     except OSError as err:
-        raise master_lib.MasterError(f"cannot find a route from this machine to host {remote[0]!r} ({err.strerror or err}): "
-                                     "check the host name in -H/--hostfile.") from None
+        raise master_lib.MasterError(f"cannot find a route from this machine to host {name!r} "
+                                     f"({err.strerror or err}): check the host name in -H/--hostfile.") from None
 
 
 def _start(host: _Host, argv: list[str], token: str, ssh: SshOptions, exported: dict[str, str], out, lock) -> None:
     if host.local:
         process = subprocess.Popen(argv, env={**os.environ, **exported, nodes.ENV_TOKEN: token}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, **lifeline.spawn_options())
     else:
         forwarded = {name: os.environ[name] for name in _FORWARDED if name in os.environ} | exported
         forwarded = " ".join(f"{name}={shlex.quote(value)}" for name, value in forwarded.items())
         remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r {nodes.ENV_TOKEN} && export {nodes.ENV_TOKEN} && "
                   f"exec env {forwarded} {shlex.join(argv)}")
         process = subprocess.Popen([*ssh.argv(), host.name, remote], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, **lifeline.spawn_options())
         try:
             process.stdin.write(f"{token}\n".encode())
             process.stdin.close()
         except OSError:
             pass  # ssh already failed; its output says why
     host.process = process
+    lifeline.watch(host, functools.partial(supervisor.signal_group, process, signal.SIGKILL))
 
-    def relay() -> None:
-        for line in iter(process.stdout.readline, b""):
-            host.tail.append(line.decode(errors="replace").rstrip())
-            with lock:
-                out.write(line)
-                out.flush()
+    def note(line: bytes) -> None:
+        host.tail.append(line.decode(errors="replace").rstrip())
 
-    host.reader = threading.Thread(target=relay, daemon=True, name=f"tfdist-host-{host.rank}")
+    host.reader = threading.Thread(target=output.pump, args=(process.stdout, "", out, lock, False, note),
+                                   daemon=True, name=f"tfdist-host-{host.rank}")
     host.reader.start()
 
 
@@ -200,10 +229,9 @@ def _stop_hosts(members: Sequence[_Host], timeout: float) -> None:
         try:
             host.process.wait(timeout=max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(host.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            supervisor.signal_group(host.process, signal.SIGKILL)
             host.process.wait()
+        lifeline.unwatch(host)
         if host.reader is not None:
             host.reader.join(timeout=5)
+

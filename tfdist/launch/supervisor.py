@@ -13,8 +13,8 @@ share of a multi-node job through ``local.run_here``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -26,7 +26,8 @@ import time
 from typing import IO, Sequence
 
 from tfdist import cluster
-from tfdist.launch import output
+from tfdist.launch import lifeline, output
+from tfdist.launch.lifeline import Stop
 
 EXIT_TIMEOUT = 124
 DEFAULT_START_TIMEOUT = 300.0
@@ -88,14 +89,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-class Stop(Exception):
-    """Raised in the main loop on SIGINT/SIGTERM or when the job's time runs out."""
-
-    def __init__(self, reason: str, exit_code: int):
-        super().__init__(reason)
-        self.exit_code = exit_code
-
-
 def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = WorkerSettings(),
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
            grace_period: float = 5.0, start_timeout: float = DEFAULT_START_TIMEOUT,
@@ -110,11 +103,10 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
     deadline = None if timeout is None else began + timeout
     restarts = port_retries = 0
     workers: list[Worker] = []
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, raise_stop) if in_main_thread else None
     given_job_dir = os.environ.get(cluster.ENV_JOB_DIR)
     job_dir = given_job_dir or tempfile.mkdtemp(prefix="tfdist-job-")
     settings = dataclasses.replace(settings, job_dir=job_dir)
+    previous_handlers = lifeline.stop_on_signals()
     try:
         while True:
             addresses = hosts.addresses(num_workers, base_port)
@@ -143,8 +135,7 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
         output.say(out, f"{stop}; stopped all workers ({summary(workers, began)})")
         return stop.exit_code
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
+        lifeline.restore(previous_handlers)
         if not given_job_dir:
             shutil.rmtree(job_dir, ignore_errors=True)
 
@@ -161,14 +152,16 @@ def run_once(workers, start, count, deadline, grace_period, start_watch, on_poll
     Returns the first failure, or None. Every worker has exited when it returns or raises.
     """
     try:
-        with _signals_held():  # a Ctrl-C mid-spawn must not lose a started worker's handle
+        with lifeline.signals_held():  # a Ctrl-C mid-spawn must not lose a started worker's handle
             for local_rank in range(count):
                 workers.append(start(local_rank))
+                lifeline.watch(workers[-1], functools.partial(signal_group, workers[-1].process, signal.SIGKILL))
         return _wait(workers, deadline, start_watch, on_poll)
-    except KeyboardInterrupt:
-        raise Stop("interrupted", EXIT_INTERRUPTED) from None
     finally:
-        _stop_all(workers, grace_period)
+        with lifeline.stopping():  # a signal now SIGKILLs every worker rather than cutting this short
+            _stop_all(workers, grace_period)
+        for worker in workers:
+            lifeline.unwatch(worker)
 
 
 def relay_output(worker: Worker, stream, settings: WorkerSettings, out, lock) -> Worker:
@@ -181,28 +174,6 @@ def relay_output(worker: Worker, stream, settings: WorkerSettings, out, lock) ->
         stream, f"[{worker.index}] ", out, lock, settings.hide_tf_logs, note_port_clash))
     worker.reader.start()
     return worker
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Defers SIGINT/SIGTERM (in the main thread) until the block ends; they are then handled.
-
-    A handler notes them rather than a blocked signal mask, which every worker started in
-    the block would inherit: such workers ignore SIGTERM and only die by SIGKILL.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            signal.raise_signal(caught[0])  # now handled as it would have been
 
 
 class StartWatch:
@@ -257,17 +228,18 @@ def _stop_all(workers: list[Worker], grace_period: float) -> None:
     """SIGTERM every live worker's process group, then SIGKILL what is left after the grace period."""
     live = [w for w in workers if w.process.poll() is None]
     for worker in live:
-        _signal_group(worker.process, signal.SIGTERM)
+        signal_group(worker.process, signal.SIGTERM)
     end = time.monotonic() + grace_period
     while any(w.process.poll() is None for w in live) and time.monotonic() < end:
         time.sleep(_POLL_SECONDS)
     for worker in workers:
-        _signal_group(worker.process, signal.SIGKILL)  # also reaps children a worker left behind
+        signal_group(worker.process, signal.SIGKILL)  # also reaps children a worker left behind
         worker.process.wait()
         worker.reader.join(timeout=5)
 
 
-def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+def signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    """Sends ``sig`` to the process group a child leads (it runs in a session of its own)."""
     if hasattr(process, "signal_group"):  # a worker on another machine (launch/ray.py)
         process.signal_group(sig)
         return
@@ -276,6 +248,3 @@ def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
     except (ProcessLookupError, PermissionError):
         pass
 
-
-def raise_stop(signum, frame):
-    raise Stop("received SIGTERM", 128 + signal.SIGTERM)

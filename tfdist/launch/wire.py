@@ -9,8 +9,9 @@ none can be replayed or dropped unnoticed. A connection that cannot sign (a port
 scanner, a node with another token, a stray client) is refused before it can join.
 Messages are not encrypted: run the job on a network you trust (README).
 
-Frames are a 4-byte big-endian length and a body; a frame over 1 MiB is refused.
-Standard library only.
+Frames are a 4-byte big-endian length and a body; a frame over 1 MiB is refused. The
+master gives a connection ``HANDSHAKE_SECONDS`` in all to prove itself, and answers a
+malformed hello with a refusal. Standard library only.
 """
 
 from __future__ import annotations
@@ -20,20 +21,28 @@ import hmac
 import json
 import secrets
 import socket
+import re
 import struct
 import threading
+import time
 
 from tfdist.errors import WireError
 
 PROTOCOL = "tfdist-nodes/1"
 MAX_FRAME = 1 << 20
 HANDSHAKE_SECONDS = 10.0
+_HEX_MAC = re.compile(r"[0-9a-f]{64}")
+_NONCE = re.compile(r"[0-9a-f]{1,64}")
 _LENGTH = struct.Struct(">I")
 _MAC_SIZE = hashlib.sha256().digest_size
 
 
 class Refused(WireError):
     """The other side refused this connection; the message says why."""
+
+
+class Foreign(WireError):
+    """What answered does not speak this protocol."""
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -44,9 +53,13 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
     chunks, left = [], size
     while left:
+        if deadline is not None:
+            if time.monotonic() >= deadline:
+                raise WireError("timed out waiting for the other side")
+            sock.settimeout(deadline - time.monotonic())
         try:
             chunk = sock.recv(left)
         except socket.timeout:
@@ -60,16 +73,16 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
-    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+def _recv_frame(sock: socket.socket, deadline: float | None = None) -> bytes:
+    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size, deadline))
     if size > MAX_FRAME:
         raise WireError(f"a frame of {size} bytes is not this protocol")
-    return _recv_exact(sock, size)
+    return _recv_exact(sock, size, deadline)
 
 
-def _recv_json(sock: socket.socket) -> dict:
+def _recv_json(sock: socket.socket, deadline: float | None = None) -> dict:
     try:
-        message = json.loads(_recv_frame(sock))
+        message = json.loads(_recv_frame(sock, deadline))
     except (ValueError, UnicodeDecodeError):
         raise WireError("received a frame that is not JSON") from None
     if not isinstance(message, dict):
@@ -127,31 +140,47 @@ class Channel:
         self.sock.close()
 
 
-def accept(sock: socket.socket, token: str, peer: str) -> tuple[Channel, dict]:
+def accept(sock: socket.socket, token: str, peer: str, seconds: float = HANDSHAKE_SECONDS) -> tuple[Channel, dict]:
     """Master side of the handshake on a freshly accepted socket: (channel, the node's hello).
+
+    The other side has ``seconds`` in all to send its hello.
 
     Raises:
         Refused: the other side does not know the token (it has been told so).
-        WireError: it does not speak this protocol, or went silent.
+        WireError: it does not speak this protocol (told so when it got as far as a hello), or went silent.
     """
-    sock.settimeout(HANDSHAKE_SECONDS)
+    deadline = time.monotonic() + seconds
+    sock.settimeout(seconds)
     nonce = secrets.token_hex(16)
-    _send_json(sock, {"protocol": PROTOCOL, "nonce": nonce})
-    hello = _recv_json(sock)
-    body, their_nonce, mac = hello.get("hello"), str(hello.get("nonce", "")), str(hello.get("mac", ""))
-    if not isinstance(body, dict):
+    try:
+        _send_json(sock, {"protocol": PROTOCOL, "nonce": nonce})
+    except OSError as err:
+        raise WireError(f"connection lost ({err.strerror or err})") from None
+    hello = _recv_json(sock, deadline)
+    body, their_nonce, mac = hello.get("hello"), hello.get("nonce"), hello.get("mac")
+    if not (isinstance(body, dict) and isinstance(their_nonce, str) and _NONCE.fullmatch(their_nonce)
+            and isinstance(mac, str) and _HEX_MAC.fullmatch(mac)):
+        _answer(sock, {"refused": "not a tfdist hello (protocol " + PROTOCOL + ")"})
         raise WireError("the first message was not a tfdist hello")
     secret = token.encode()
     signed = json.dumps(body, sort_keys=True).encode()
     expected = _mac(secret, b"hello", nonce.encode(), their_nonce.encode(), signed).hex()
     if not hmac.compare_digest(mac, expected):
-        _send_json(sock, {"refused": "wrong token: this node's token differs from node 0's"})
+        _answer(sock, {"refused": "wrong token: this node's token differs from node 0's"})
         raise Refused("wrong token")
     proof = _mac(secret, b"welcome", nonce.encode(), their_nonce.encode()).hex()
-    _send_json(sock, {"welcome": proof})
+    _answer(sock, {"welcome": proof})
     key = _mac(secret, b"key", nonce.encode(), their_nonce.encode())
     sock.settimeout(None)
     return Channel(sock, key, "master", "node", peer), body
+
+
+def _answer(sock: socket.socket, message: dict) -> None:
+    """Sends a handshake answer; a peer gone meanwhile is found out by the next read."""
+    try:
+        _send_json(sock, message)
+    except OSError:
+        pass
 
 
 def connect(sock: socket.socket, token: str, hello: dict, master: str) -> Channel:
@@ -160,12 +189,13 @@ def connect(sock: socket.socket, token: str, hello: dict, master: str) -> Channe
     Raises:
         Refused: the master refused this node (wrong token), or it could not prove it
             knows the token.
-        WireError: whatever answered is not a tfdist master.
+        Foreign: whatever answered is not a tfdist master.
+        WireError: the connection was lost or timed out (a master busy turning others away closes some).
     """
     sock.settimeout(HANDSHAKE_SECONDS)
     greeting = _recv_json(sock)
     if greeting.get("protocol") != PROTOCOL:
-        raise WireError(f"{master} answered, but not as a tfdist master (protocol {greeting.get('protocol')!r})")
+        raise Foreign(f"{master} answered, but not as a tfdist master (protocol {greeting.get('protocol')!r})")
     nonce, mine, secret = str(greeting.get("nonce", "")), secrets.token_hex(16), token.encode()
     signed = json.dumps(hello, sort_keys=True).encode()
     mac = _mac(secret, b"hello", nonce.encode(), mine.encode(), signed).hex()
