@@ -85,7 +85,8 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
         image_size: (height, width) to resize images to; needed when image sizes differ.
         augment: flip images left-right at random.
         deterministic: keep record order under parallelism; None keeps it when a seed is
-            given or shuffling is off, and otherwise lets the fastest record go first.
+            given or shuffling is off, and otherwise lets the fastest record go first (then
+            with ``repeat`` a batch of the next epoch may come before the last of this one).
         skip_corrupt: skip damaged data (keeping a damaged file's records before the
             damage) with a warning that counts it, instead of raising. Files are checked
             record header by record header when the dataset is built; a damaged record
