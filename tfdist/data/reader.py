@@ -236,12 +236,26 @@ def _check_arguments(shuffle_buffer: int, image_size, repeat, seed, cache) -> No
 def _list_files(file_pattern: FilePattern) -> list[str]:
     patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
     paths = sorted({path for pattern in patterns for path in tf.io.gfile.glob(pattern)
-                    if not tf.io.gfile.isdir(path)})
+                    if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path)})
     if not paths:
         raise FileNotFoundError(f"file_pattern={file_pattern!r} matches no file. Check the directory; shards from "
                                 "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
                                 "(pattern 'DIR/data-*.tfrecord').")
+    _refuse_shards_being_written(paths)
     return paths
+
+
+def _refuse_shards_being_written(paths: list[str]) -> None:
+    """write_tfrecords moves shards into place from a ``.tmp-PREFIX-*`` directory, removed when it is done."""
+    for directory in sorted({os.path.dirname(path) for path in paths}):
+        names = [os.path.basename(path) for path in paths if os.path.dirname(path) == directory]
+        for temp in tf.io.gfile.glob(os.path.join(directory, ".tmp-*")):
+            prefix = os.path.basename(temp.rstrip("/"))[len(".tmp-"):].rsplit("-", 1)[0]
+            if any(name.startswith(f"{prefix}-") for name in names):
+                raise DataError(f"The shards {prefix}-* in {directory} are being written or replaced by write_tfrecords "
+                                f"now ({temp} is there): read them after it returns. In a multi-worker job call "
+                                "write_tfrecords on every worker: the others wait for the chief's write. If no write "
+                                f"is running (one was killed), delete {temp}.")
 
 
 def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], list[int]]:

@@ -2,13 +2,22 @@
 
 Examples go to shards round-robin (example i to shard i % num_shards), so shards
 differ in size by at most one record. Every shard is written under a temporary
-directory inside ``out_dir`` and moved to its final name only once all shards are
-complete: a crash never leaves a half-written shard under a final name.
+directory inside ``out_dir`` (``.tmp-PREFIX-*``) and moved to its final name only once
+all shards are complete: a crash never leaves a half-written shard under a final name.
+Each move replaces the old shard of that name in one step; old shards of another count
+go last, then ``.PREFIX.complete.json`` (the completion marker) is written and the
+temporary directory removed. ``tfrecord_dataset`` refuses shards whose temporary
+directory is still there, so it never reads a set being replaced.
+
+In a multi-worker job the script runs on every worker, so every worker calls
+``write_tfrecords``: the chief writes, the others wait for it (a broadcast from the
+chief) and return the same result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 from typing import Any
@@ -16,7 +25,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist import cluster as cluster_lib
 from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
+
+
+
+def _before_each_move() -> None:
+    """Called before each shard moves into place: tests replace it to widen the window in which
+    another worker could read a half-replaced set."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +72,59 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
         jpeg_quality: 1 to 100.
         overwrite: replace shards already in ``out_dir`` under this prefix.
 
+    In a multi-worker job, call it on every worker with the same arguments (as a script
+    does): worker 0 writes, the others wait for it and return its result, so no worker
+    reads before the shards are complete. ``out_dir`` must then be a directory every
+    worker sees (a shared filesystem).
+
     Returns:
         The shard paths and the number of records; ``result.pattern`` matches the shards.
 
     Raises:
         DataError: bad arguments, an unsupported feature, an empty source, or a source
-            that already has a feature named "index".
+            that already has a feature named "index"; on the other workers: the chief
+            failed, or ``out_dir`` is not shared with it.
         FileExistsError: shards with this prefix exist and ``overwrite`` is False.
     """
     _check_arguments(num_shards, prefix, image_format, jpeg_quality)
     dataset = _as_dataset(source)
     kinds = _feature_kinds(dataset.element_spec, image_format)
+    names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    job = cluster_lib.cluster_from_env()
+    token = uuid.uuid4().int >> 65  # names this write in its completion marker (63 bits: an int64)
+
+    def write() -> WriteResult:
+        return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite, token)
+
+    return _write_on_the_chief(job, write, token, out_dir, prefix, names) if job.is_multi_worker else write()
+
+
+def _write_on_the_chief(job: cluster_lib.ClusterInfo, write, token: int, out_dir: str, prefix: str,
+                        names: list[str]) -> WriteResult:
+    """Worker 0 calls ``write``; every worker waits for it and gets its result (or an error)."""
+    from tfdist import collectives
+
+    count, failure = -1, None
+    if job.is_chief:
+        try:
+            count = write().num_records
+        except Exception as error:  # any failure: the other workers must not wait for ever
+            failure = error
+    count, token = (int(n) for n in collectives.broadcast(np.array([count, token], np.int64), root_rank=0))
+    if failure is not None:
+        raise failure
+    if count < 0:
+        raise DataError(f"Worker 0 (the chief) failed to write the shards into {out_dir}: its own error says why.")
+    if _read_marker(out_dir, prefix).get("token") != token:
+        raise DataError(f"Worker 0 wrote {count} records into {out_dir}, but worker {job.worker_index} does not see "
+                        f"them there (no {_marker_name(prefix)} of that write): write_tfrecords writes once, on the "
+                        "chief, so out_dir must be a directory every worker sees (a shared filesystem). Otherwise "
+                        "write the shards on each machine before the job starts (e.g. tfdist convert).")
+    return WriteResult(tuple(os.path.join(out_dir, n) for n in names), count)
+
+
+def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix: str, names: list[str],
+           image_format: str, jpeg_quality: int, overwrite: bool, token: int) -> WriteResult:
     existing = tf.io.gfile.glob(os.path.join(out_dir, f"{prefix}-*-of-*.tfrecord"))
     if existing and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
@@ -74,21 +132,36 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     tf.io.gfile.makedirs(out_dir)
     encoded = dataset.map(_encoder(kinds, image_format, jpeg_quality), num_parallel_calls=tf.data.AUTOTUNE)
     temp_dir = os.path.join(out_dir, f".tmp-{prefix}-{uuid.uuid4().hex[:8]}")
-    names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    marker = os.path.join(out_dir, _marker_name(prefix))
+    paths = tuple(os.path.join(out_dir, n) for n in names)
     try:
         tf.io.gfile.makedirs(temp_dir)
         count = _write_shards(encoded, kinds, [os.path.join(temp_dir, n) for n in names])
         if count == 0:
             raise DataError("The source holds no example: nothing to write.")
-        for path in existing:
-            tf.io.gfile.remove(path)
-        paths = tuple(os.path.join(out_dir, n) for n in names)
+        if tf.io.gfile.exists(marker):
+            tf.io.gfile.remove(marker)
         for name, path in zip(names, paths):
-            tf.io.gfile.rename(os.path.join(temp_dir, name), path, overwrite=True)
+            _before_each_move()
+            tf.io.gfile.rename(os.path.join(temp_dir, name), path, overwrite=True)  # old shard -> new, in one step
+        for path in set(existing) - set(paths):
+            tf.io.gfile.remove(path)
+        with tf.io.gfile.GFile(os.path.join(temp_dir, "marker"), "w") as f:
+            f.write(json.dumps({"shards": names, "num_records": count, "token": token}))
+        tf.io.gfile.rename(os.path.join(temp_dir, "marker"), marker, overwrite=True)
     finally:
         if tf.io.gfile.exists(temp_dir):
             tf.io.gfile.rmtree(temp_dir)
     return WriteResult(paths, count)
+
+
+def _marker_name(prefix: str) -> str:
+    return f".{prefix}.complete.json"
+
+
+def _read_marker(out_dir: str, prefix: str) -> dict:
+    path = os.path.join(out_dir, _marker_name(prefix))
+    return json.loads(tf.io.gfile.GFile(path).read()) if tf.io.gfile.exists(path) else {}
 
 
 def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
