@@ -220,3 +220,12 @@ def test_a_set_being_replaced_is_refused_until_complete(tmp_path, monkeypatch):
     assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(100, 112))
     marker = json.loads((tmp_path / ".data.complete.json").read_text())
     assert marker["shards"] == [os.path.basename(p) for p in results[0].paths] and marker["num_records"] == 12
+
+
+def test_a_write_killed_midway_blocks_reading_until_the_next_write(tmp_path):
+    data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2)
+    (tmp_path / ".tmp-data-0123abcd").mkdir()  # what a write killed while moving shards leaves
+    with pytest.raises(data.DataError, match=r"If no write is running \(one was killed\), delete .*\.tmp-data-0123abcd"):
+        data.tfrecord_dataset(str(tmp_path / "data-*.tfrecord"), batch_size=2)
+    data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2, overwrite=True)
+    assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(6))

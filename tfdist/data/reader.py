@@ -67,9 +67,10 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             ``lambda b: (tf.cast(b["image"], "float32") / 255, b["label"])``.
         input_context: the ``tf.distribute.InputContext`` that ``distribute`` (or
             ``strategy.distribute_datasets_from_function``) passes; shards the files.
-        shuffle: shuffle the file order (the same order on every worker, a new one each
-            epoch of ``repeat``) and the records (through ``shuffle_buffer`` serialized
-            records, anew each epoch).
+        shuffle: shuffle the file order (the same on every worker; a new order each epoch
+            of ``repeat``, while without ``repeat``, or with a cache, every pass reads the
+            first epoch's files) and the records within each worker's share (through
+            ``shuffle_buffer`` serialized records, a new order each pass or epoch).
         shuffle_buffer: records held for shuffling (memory: this many encoded records).
         seed: the file order's seed, which every worker must share (a constant when
             None); also makes the record order reproducible (and, with ``deterministic``

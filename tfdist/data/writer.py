@@ -29,7 +29,6 @@ from tfdist import cluster as cluster_lib
 from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
 
 
-
 def _before_each_move() -> None:
     """Called before each shard moves into place: tests replace it to widen the window in which
     another worker could read a half-replaced set."""
@@ -59,6 +58,11 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
                     image_format: str = "jpeg", jpeg_quality: int = 95, overwrite: bool = False) -> WriteResult:
     """Writes examples into ``num_shards`` TFRecord files of ``tf.train.Example``.
 
+    In a multi-worker job, call it on every worker with the same arguments (as a script
+    does): worker 0 writes, the others wait for it and return its result, so no worker
+    reads before the shards are complete. ``out_dir`` must then be a directory every
+    worker sees (a shared filesystem).
+
     Args:
         source: a ``tf.data.Dataset`` of dicts (a tfds split) or of (image, label) pairs,
             a dict of NumPy arrays, or an (images, labels) pair of arrays. uint8 features of
@@ -71,11 +75,6 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
         image_format: "jpeg" (smaller, lossy) or "png" (lossless).
         jpeg_quality: 1 to 100.
         overwrite: replace shards already in ``out_dir`` under this prefix.
-
-    In a multi-worker job, call it on every worker with the same arguments (as a script
-    does): worker 0 writes, the others wait for it and return its result, so no worker
-    reads before the shards are complete. ``out_dir`` must then be a directory every
-    worker sees (a shared filesystem).
 
     Returns:
         The shard paths and the number of records; ``result.pattern`` matches the shards.
@@ -130,6 +129,8 @@ def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix
         raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
                               "pass overwrite=True to replace them, or choose another prefix or out_dir.")
     tf.io.gfile.makedirs(out_dir)
+    for stale in tf.io.gfile.glob(os.path.join(out_dir, f".tmp-{prefix}-{'?' * 8}")):  # left by a killed write
+        tf.io.gfile.rmtree(stale)
     encoded = dataset.map(_encoder(kinds, image_format, jpeg_quality), num_parallel_calls=tf.data.AUTOTUNE)
     temp_dir = os.path.join(out_dir, f".tmp-{prefix}-{uuid.uuid4().hex[:8]}")
     marker = os.path.join(out_dir, _marker_name(prefix))
