@@ -219,7 +219,7 @@ def test_a_set_being_replaced_is_refused_until_complete(tmp_path, monkeypatch):
     thread.join(60)
     assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(100, 112))
     marker = json.loads((tmp_path / ".data.complete.json").read_text())
-    assert marker["shards"] == [os.path.basename(p) for p in results[0].paths] and marker["num_records"] == 12
+    assert sorted(marker["sizes"]) == [os.path.basename(p) for p in results[0].paths] and marker["num_records"] == 12
 
 
 def test_a_write_killed_midway_blocks_reading_until_the_next_write(tmp_path):
@@ -229,3 +229,14 @@ def test_a_write_killed_midway_blocks_reading_until_the_next_write(tmp_path):
         data.tfrecord_dataset(str(tmp_path / "data-*.tfrecord"), batch_size=2)
     data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2, overwrite=True)
     assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(6))
+
+
+def test_the_same_examples_are_not_rewritten(tmp_path):
+    first = data.write_tfrecords(source(), str(tmp_path), num_shards=2)
+    times = [os.stat(p).st_mtime_ns for p in first.paths]
+    again = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
+    assert again == first and [os.stat(p).st_mtime_ns for p in first.paths] == times
+    changed = source()
+    changed["label"][5] += 1
+    data.write_tfrecords(changed, str(tmp_path), num_shards=2, overwrite=True)
+    assert read_all(str(tmp_path / "data-*.tfrecord"))["label"][5] == changed["label"][5]

@@ -5,20 +5,26 @@ differ in size by at most one record. Every shard is written under a temporary
 directory inside ``out_dir`` (``.tmp-PREFIX-*``) and moved to its final name only once
 all shards are complete: a crash never leaves a half-written shard under a final name.
 Each move replaces the old shard of that name in one step; old shards of another count
-go last, then ``.PREFIX.complete.json`` (the completion marker) is written and the
-temporary directory removed. ``tfrecord_dataset`` refuses shards whose temporary
-directory is still there, so it never reads a set being replaced.
+go last, then ``.PREFIX.complete.json`` (the completion marker: a hash of the examples
+and settings, and each shard's size) is written and the temporary directory removed.
+``tfrecord_dataset`` refuses shards whose temporary directory is still there, so it
+never reads a set being replaced.
 
-In a multi-worker job the script runs on every worker, so every worker calls
-``write_tfrecords``: the chief writes, the others wait for it (a broadcast from the
-chief) and return the same result.
+In a multi-worker job the script runs on every worker, so every worker may call
+``write_tfrecords``: the chief writes, the others hash the same examples and wait until
+the marker says the chief's shards of those examples are complete. Nothing is
+exchanged between workers, so a script that calls it on the chief only works as well.
+When the marker already matches, nothing is rewritten.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
+import time
 import uuid
 from typing import Any
 
@@ -27,6 +33,10 @@ import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
 from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
+
+
+_POLL_S = 0.2  # how often a worker waiting for the chief's write looks again
+_NOTE_EVERY_S = 60.0  # how often it says that it is still waiting
 
 
 def _before_each_move() -> None:
@@ -59,9 +69,10 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     """Writes examples into ``num_shards`` TFRecord files of ``tf.train.Example``.
 
     In a multi-worker job, call it on every worker with the same arguments (as a script
-    does): worker 0 writes, the others wait for it and return its result, so no worker
-    reads before the shards are complete. ``out_dir`` must then be a directory every
-    worker sees (a shared filesystem).
+    does): worker 0 writes, the others wait until its shards of the same examples are
+    complete and return the same result, so no worker reads early. ``out_dir`` must then
+    be a directory every worker sees (a shared filesystem). Shards of the same examples
+    and settings already complete in ``out_dir`` are not rewritten.
 
     Args:
         source: a ``tf.data.Dataset`` of dicts (a tfds split) or of (image, label) pairs,
@@ -81,65 +92,89 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
 
     Raises:
         DataError: bad arguments, an unsupported feature, an empty source, or a source
-            that already has a feature named "index"; on the other workers: the chief
-            failed, or ``out_dir`` is not shared with it.
+            that already has a feature named "index".
         FileExistsError: shards with this prefix exist and ``overwrite`` is False.
     """
     _check_arguments(num_shards, prefix, image_format, jpeg_quality)
     dataset = _as_dataset(source)
     kinds = _feature_kinds(dataset.element_spec, image_format)
     names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    fingerprint = _fingerprint(dataset, [names, image_format, jpeg_quality])
     job = cluster_lib.cluster_from_env()
-    token = uuid.uuid4().int >> 65  # names this write in its completion marker (63 bits: an int64)
-
-    def write() -> WriteResult:
-        return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite, token)
-
-    return _write_on_the_chief(job, write, token, out_dir, prefix, names) if job.is_multi_worker else write()
-
-
-def _write_on_the_chief(job: cluster_lib.ClusterInfo, write, token: int, out_dir: str, prefix: str,
-                        names: list[str]) -> WriteResult:
-    """Worker 0 calls ``write``; every worker waits for it and gets its result (or an error)."""
-    from tfdist import collectives
-
-    count, failure = -1, None
     if job.is_chief:
-        try:
-            count = write().num_records
-        except Exception as error:  # any failure: the other workers must not wait for ever
-            failure = error
-    count, token = (int(n) for n in collectives.broadcast(np.array([count, token], np.int64), root_rank=0))
-    if failure is not None:
-        raise failure
-    if count < 0:
-        raise DataError(f"Worker 0 (the chief) failed to write the shards into {out_dir}: its own error says why.")
-    if _read_marker(out_dir, prefix).get("token") != token:
-        raise DataError(f"Worker 0 wrote {count} records into {out_dir}, but worker {job.worker_index} does not see "
-                        f"them there (no {_marker_name(prefix)} of that write): write_tfrecords writes once, on the "
-                        "chief, so out_dir must be a directory every worker sees (a shared filesystem). Otherwise "
-                        "write the shards on each machine before the job starts (e.g. tfdist convert).")
+        return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite, fingerprint)
+    return _wait_for_the_chief(job.worker_index, out_dir, prefix, names, fingerprint)
+
+
+def _fingerprint(dataset: tf.data.Dataset, settings: list) -> str:
+    """A hash of every example's values, in order, and of the settings that shape the shards.
+
+    Raises:
+        DataError: the dataset holds no example.
+    """
+    digest, count = hashlib.sha256(json.dumps(settings).encode()), 0
+    for count, example in enumerate(dataset.as_numpy_iterator(), start=1):
+        for key in sorted(example):
+            value = np.asarray(example[key])
+            digest.update(f"{key}:{value.dtype}:{value.shape};".encode())
+            if value.dtype == object:  # 1-D strings: bytes objects, each hashed with its length
+                for item in value.reshape(-1):
+                    digest.update(len(item).to_bytes(8, "little") + item)
+            else:
+                digest.update(np.ascontiguousarray(value).tobytes())
+    if count == 0:
+        raise DataError("The source holds no example: nothing to write.")
+    return digest.hexdigest()
+
+
+def _wait_for_the_chief(rank: int, out_dir: str, prefix: str, names: list[str], fingerprint: str) -> WriteResult:
+    """A worker other than the chief: waits until the chief's shards of these very examples are complete."""
+    started = time.monotonic()
+    next_note = started + _NOTE_EVERY_S
+    while (count := _finished(out_dir, prefix, fingerprint)) is None:
+        if time.monotonic() > next_note:
+            print(f"tfdist.data: worker {rank} has waited {time.monotonic() - started:.0f} s for worker 0 to write "
+                  f"these examples into {out_dir} (every worker must see that directory: a shared filesystem).",
+                  file=sys.stderr, flush=True)
+            next_note += _NOTE_EVERY_S
+        time.sleep(_POLL_S)
     return WriteResult(tuple(os.path.join(out_dir, n) for n in names), count)
 
 
+def _finished(out_dir: str, prefix: str, fingerprint: str) -> int | None:
+    """The record count of a complete write of ``fingerprint`` in ``out_dir``, else None."""
+    marker = os.path.join(out_dir, _marker_name(prefix))
+    if tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))) or not tf.io.gfile.exists(marker):
+        return None
+    with tf.io.gfile.GFile(marker) as f:
+        done = json.loads(f.read())
+    sizes = done["sizes"]
+    complete = done["fingerprint"] == fingerprint and all(
+        tf.io.gfile.exists(path) and tf.io.gfile.stat(path).length == sizes[name]
+        for name, path in ((name, os.path.join(out_dir, name)) for name in sizes))
+    return done["num_records"] if complete else None
+
+
 def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix: str, names: list[str],
-           image_format: str, jpeg_quality: int, overwrite: bool, token: int) -> WriteResult:
+           image_format: str, jpeg_quality: int, overwrite: bool, fingerprint: str) -> WriteResult:
     existing = tf.io.gfile.glob(os.path.join(out_dir, f"{prefix}-*-of-*.tfrecord"))
     if existing and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
                               "pass overwrite=True to replace them, or choose another prefix or out_dir.")
+    paths = tuple(os.path.join(out_dir, n) for n in names)
+    done = _finished(out_dir, prefix, fingerprint)
+    if done is not None:  # these very examples are there, complete: nothing to replace
+        return WriteResult(paths, done)
     tf.io.gfile.makedirs(out_dir)
-    for stale in tf.io.gfile.glob(os.path.join(out_dir, f".tmp-{prefix}-{'?' * 8}")):  # left by a killed write
+    for stale in tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))):  # left by a killed write
         tf.io.gfile.rmtree(stale)
     encoded = dataset.map(_encoder(kinds, image_format, jpeg_quality), num_parallel_calls=tf.data.AUTOTUNE)
     temp_dir = os.path.join(out_dir, f".tmp-{prefix}-{uuid.uuid4().hex[:8]}")
     marker = os.path.join(out_dir, _marker_name(prefix))
-    paths = tuple(os.path.join(out_dir, n) for n in names)
     try:
         tf.io.gfile.makedirs(temp_dir)
         count = _write_shards(encoded, kinds, [os.path.join(temp_dir, n) for n in names])
-        if count == 0:
-            raise DataError("The source holds no example: nothing to write.")
+        sizes = {name: tf.io.gfile.stat(os.path.join(temp_dir, name)).length for name in names}
         if tf.io.gfile.exists(marker):
             tf.io.gfile.remove(marker)
         for name, path in zip(names, paths):
@@ -148,7 +183,7 @@ def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix
         for path in set(existing) - set(paths):
             tf.io.gfile.remove(path)
         with tf.io.gfile.GFile(os.path.join(temp_dir, "marker"), "w") as f:
-            f.write(json.dumps({"shards": names, "num_records": count, "token": token}))
+            f.write(json.dumps({"fingerprint": fingerprint, "num_records": count, "sizes": sizes}))
         tf.io.gfile.rename(os.path.join(temp_dir, "marker"), marker, overwrite=True)
     finally:
         if tf.io.gfile.exists(temp_dir):
@@ -160,9 +195,8 @@ def _marker_name(prefix: str) -> str:
     return f".{prefix}.complete.json"
 
 
-def _read_marker(out_dir: str, prefix: str) -> dict:
-    path = os.path.join(out_dir, _marker_name(prefix))
-    return json.loads(tf.io.gfile.GFile(path).read()) if tf.io.gfile.exists(path) else {}
+def _temp_pattern(prefix: str) -> str:
+    return f".tmp-{prefix}-{'?' * 8}"
 
 
 def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
