@@ -146,12 +146,14 @@ def _finished(out_dir: str, prefix: str, fingerprint: str) -> int | None:
     marker = os.path.join(out_dir, _marker_name(prefix))
     if tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))) or not tf.io.gfile.exists(marker):
         return None
-    with tf.io.gfile.GFile(marker) as f:
-        done = json.loads(f.read())
-    sizes = done["sizes"]
-    complete = done["fingerprint"] == fingerprint and all(
-        tf.io.gfile.exists(path) and tf.io.gfile.stat(path).length == sizes[name]
-        for name, path in ((name, os.path.join(out_dir, name)) for name in sizes))
+    try:
+        with tf.io.gfile.GFile(marker) as f:
+            done = json.loads(f.read() or "{}")
+        sizes = done.get("sizes") or {}
+        complete = done.get("fingerprint") == fingerprint and sizes and all(
+            tf.io.gfile.stat(os.path.join(out_dir, name)).length == size for name, size in sizes.items())
+    except tf.errors.NotFoundError:  # a shard is missing, or the chief began another write meanwhile
+        return None
     return done["num_records"] if complete else None
 
 
