@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import re
+import time
 
 import numpy as np
 import pytest
@@ -240,3 +242,30 @@ def test_the_same_examples_are_not_rewritten(tmp_path):
     changed["label"][5] += 1
     data.write_tfrecords(changed, str(tmp_path), num_shards=2, overwrite=True)
     assert read_all(str(tmp_path / "data-*.tfrecord"))["label"][5] == changed["label"][5]
+
+
+def test_the_other_workers_wait_for_the_chiefs_write(tmp_path, monkeypatch, capfd):
+    """Worker 1 (here a thread) calls write_tfrecords first: it returns only once the chief's shards are complete."""
+    import json
+    import threading
+
+    from tfdist.data import writer
+
+    waiting, finished = threading.Event(), writer._finished
+    monkeypatch.setattr(writer, "_finished", lambda *args: (waiting.set(), finished(*args))[1])
+    monkeypatch.setattr(writer, "_NOTE_EVERY_S", 0.5)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    results = []
+    worker_1 = threading.Thread(target=lambda: results.append(data.write_tfrecords(source(), str(tmp_path),
+                                                                                   num_shards=2, overwrite=True)))
+    worker_1.start()
+    assert waiting.wait(60)
+    time.sleep(1)
+    assert results == [] and not list(tmp_path.glob("*.tfrecord"))
+    monkeypatch.delenv("TF_CONFIG")
+    chief = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
+    worker_1.join(60)
+    assert results == [chief]
+    assert re.search(r"worker 1 has waited \d+ s for worker 0 to write these examples into .*every worker must see "
+                     r"that directory: a shared filesystem", capfd.readouterr().err)
