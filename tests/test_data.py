@@ -2,6 +2,8 @@
 
 import os
 import pathlib
+import re
+import time
 
 import numpy as np
 import pytest
@@ -45,7 +47,7 @@ def test_shards_are_named_and_filled_round_robin(jpeg_shards):
     names = [os.path.basename(p) for p in jpeg_shards.paths]
     assert names == [f"data-0000{i}-of-00004.tfrecord" for i in range(4)]
     assert jpeg_shards.num_records == NUM
-    assert sorted(os.listdir(os.path.dirname(jpeg_shards.paths[0]))) == names  # no temporary left behind
+    assert sorted(os.listdir(os.path.dirname(jpeg_shards.paths[0]))) == [".data.complete.json"] + names  # no temporary
     assert [data.check_file(p).num_records for p in jpeg_shards.paths] == [6, 6, 6, 6]
 
 
@@ -115,7 +117,7 @@ def test_existing_shards_need_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match=r"already holds 3 shard\(s\) named data-\*-of-\*.tfrecord.*overwrite=True"):
         data.write_tfrecords(source(), str(tmp_path), num_shards=2)
     result = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
-    assert sorted(str(p) for p in tmp_path.iterdir()) == sorted(result.paths)  # the 3 old shards are gone
+    assert sorted(str(p) for p in tmp_path.glob("*.tfrecord")) == sorted(result.paths)  # the 3 old shards are gone
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -188,7 +190,82 @@ def test_truncated_file_is_named_or_skipped_and_counted(jpeg_shards, tmp_path):
     ({"image_size": (0, 4)}, r"image_size must be \(height, width\) in positive ints or None: received \(0, 4\)"),
     ({"repeat": -1}, r"repeat must be True, False or a positive number of epochs: received repeat=-1"),
     ({"shuffle_buffer": 0}, r"shuffle_buffer must be a positive int: received shuffle_buffer=0"),
+    ({"seed": 7.5}, r"seed must be an int \(the same on every worker\) or None: received seed=7.5"),
+    ({"cache": ""}, r"cache must be False, True \(memory\) or a file path prefix: received cache=''"),
 ])
 def test_bad_reader_arguments(jpeg_shards, kwargs, message):
     with pytest.raises(data.DataError, match=message):
         data.tfrecord_dataset(jpeg_shards.pattern, batch_size=4, **kwargs)
+
+
+def test_a_set_being_replaced_is_refused_until_complete(tmp_path, monkeypatch):
+    """overwrite=True never exposes a half-replaced set: readers are refused until the last shard is in place."""
+    import json
+    import threading
+
+    from tfdist.data import writer
+
+    data.write_tfrecords({"label": np.arange(12)}, str(tmp_path), num_shards=4)
+    moving, go = threading.Event(), threading.Event()
+    monkeypatch.setattr(writer, "_before_each_move", lambda: (moving.set(), go.wait(60)))
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        data.write_tfrecords({"label": np.arange(100, 112)}, str(tmp_path), num_shards=4, overwrite=True)))
+    thread.start()
+    assert moving.wait(60)
+    with pytest.raises(data.DataError, match=r"The shards data-\* in .* are being written or replaced by "
+                                             r"write_tfrecords now \(.*\.tmp-data-\w+ is there\).*delete"):
+        data.tfrecord_dataset(str(tmp_path / "data-*.tfrecord"), batch_size=4)
+    assert not (tmp_path / ".data.complete.json").exists()  # no completion marker while shards move
+    go.set()
+    thread.join(60)
+    assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(100, 112))
+    marker = json.loads((tmp_path / ".data.complete.json").read_text())
+    assert sorted(marker["sizes"]) == [os.path.basename(p) for p in results[0].paths] and marker["num_records"] == 12
+
+
+def test_a_write_killed_midway_blocks_reading_until_the_next_write(tmp_path):
+    data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2)
+    (tmp_path / ".tmp-data-0123abcd").mkdir()  # what a write killed while moving shards leaves
+    with pytest.raises(data.DataError, match=r"If no write is running \(one was killed\), delete .*\.tmp-data-0123abcd"):
+        data.tfrecord_dataset(str(tmp_path / "data-*.tfrecord"), batch_size=2)
+    data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2, overwrite=True)
+    assert sorted(read_all(str(tmp_path / "data-*.tfrecord"))["label"]) == list(range(6))
+
+
+def test_the_same_examples_are_not_rewritten(tmp_path):
+    first = data.write_tfrecords(source(), str(tmp_path), num_shards=2)
+    times = [os.stat(p).st_mtime_ns for p in first.paths]
+    again = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
+    assert again == first and [os.stat(p).st_mtime_ns for p in first.paths] == times
+    changed = source()
+    changed["label"][5] += 1
+    data.write_tfrecords(changed, str(tmp_path), num_shards=2, overwrite=True)
+    assert read_all(str(tmp_path / "data-*.tfrecord"))["label"][5] == changed["label"][5]
+
+
+def test_the_other_workers_wait_for_the_chiefs_write(tmp_path, monkeypatch, capfd):
+    """Worker 1 (here a thread) calls write_tfrecords first: it returns only once the chief's shards are complete."""
+    import json
+    import threading
+
+    from tfdist.data import writer
+
+    waiting, finished = threading.Event(), writer._finished
+    monkeypatch.setattr(writer, "_finished", lambda *args: (waiting.set(), finished(*args))[1])
+    monkeypatch.setattr(writer, "_NOTE_EVERY_S", 0.5)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    results = []
+    worker_1 = threading.Thread(target=lambda: results.append(data.write_tfrecords(source(), str(tmp_path),
+                                                                                   num_shards=2, overwrite=True)))
+    worker_1.start()
+    assert waiting.wait(60)
+    time.sleep(1)
+    assert results == [] and not list(tmp_path.glob("*.tfrecord"))
+    monkeypatch.delenv("TF_CONFIG")
+    chief = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
+    worker_1.join(60)
+    assert results == [chief]
+    assert re.search(r"worker 1 has waited \d+ s for worker 0 to write these examples into .*every worker must see "
+                     r"that directory: a shared filesystem", capfd.readouterr().err)

@@ -13,7 +13,8 @@ def test_convert_mock_tf_flowers_into_shards(tmp_path, capsys):
     code = cli.main(["convert", "--dataset", "tf_flowers", "--split", "train", "--out", str(out), "--shards", "2",
                      "--source", "mock", "--num-examples", "6"])
     assert code == 0
-    assert sorted(os.listdir(out)) == ["train-00000-of-00002.tfrecord", "train-00001-of-00002.tfrecord"]
+    assert sorted(os.listdir(out)) == [".train.complete.json", "train-00000-of-00002.tfrecord",
+                                       "train-00001-of-00002.tfrecord"]
     assert "wrote 6 records of tf_flowers (train) to 2 shards" in capsys.readouterr().out
     # tf_flowers images differ in size, so reading them needs image_size
     dataset = data.tfrecord_dataset(str(out / "train-*.tfrecord"), batch_size=6, image_size=(32, 32),

@@ -1,9 +1,17 @@
-"""A real 2-worker `tfdist run` job reads TFRecord shards through tfdist.data and trains."""
+"""A real 2-worker `tfdist run` job reads TFRecord shards through tfdist.data and trains.
+
+It also runs issue 29's scripts for real: a global seed per worker, one cache path for every worker, and
+write_tfrecords(overwrite=True) on every worker then reading (3 rounds, the chief's moves slowed down).
+"""
+
+import os
 
 import numpy as np
 import pytest
 
 from tests.jobs import run_job
+from tests.test_data_exactly_once import NUM_RECORDS as NUM_RECORDS_16, split_epochs
+from tests.workers import common
 from tfdist import data
 
 NUM_RECORDS, NUM_SHARDS, GLOBAL_BATCH = 128, 4, 16
@@ -18,18 +26,60 @@ def bright_or_dark(num_records):
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def work_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_work")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, work_dir):
     shards = data.write_tfrecords(bright_or_dark(NUM_RECORDS), str(tmp_path_factory.mktemp("shards")),
                                   num_shards=NUM_SHARDS)
+    shards_16 = data.write_tfrecords({"label": np.arange(NUM_RECORDS_16)}, str(tmp_path_factory.mktemp("shards16")),
+                                     num_shards=16)  # the issue's 101 records in 16 files
     steps = NUM_RECORDS // GLOBAL_BATCH
     return run_job("data_job.py", tmp_path_factory.mktemp("data_job"), shards.pattern, str(GLOBAL_BATCH),
-                   str(steps)).check()
+                   str(steps), shards_16.pattern, str(work_dir), timeout=300).check()
 
 
 def test_each_record_reaches_exactly_one_worker(job):
     first, second = job.results[0]["indices"], job.results[1]["indices"]
     assert len(first) == len(second) == NUM_RECORDS // 2  # whole files: 2 shards of 32 each
     assert sorted(first + second) == list(range(NUM_RECORDS))
+
+
+@pytest.mark.parametrize("read", ["seeded", "cached", "from_cache"])
+def test_a_global_seed_per_worker_and_one_cache_path_keep_every_epoch_exactly_once(job, work_dir, read):
+    """keras.utils.set_random_seed(100 + rank) on each worker; cache=<one path> in the script; 3 epochs."""
+    per_worker = [split_epochs(job.results[w][read], 16, 2, w) for w in (0, 1)]
+    assert [len(epochs) for epochs in per_worker] == [3, 3]
+    for epoch in range(3):
+        assert sorted(per_worker[0][epoch] + per_worker[1][epoch]) == list(range(NUM_RECORDS_16))
+    caches = sorted(name[:len("train-00000-of-00002")] for name in os.listdir(work_dir / "cache")
+                    if name.endswith(".index"))
+    assert caches == ["train-00000-of-00002", "train-00001-of-00002"]  # one cache per worker
+
+
+def test_write_tfrecords_on_every_worker_then_reading_sees_each_new_set_whole(job):
+    for r in range(3):
+        first, second = job.results[0]["race"][r], job.results[1]["race"][r]
+        assert sorted(first + second) == [1000 * r + i for i in range(40)], r
+
+
+def test_write_tfrecords_on_the_chief_only_works_too(job):
+    assert sorted(job.results[0]["chief_only"] + job.results[1]["chief_only"]) == list(range(8))
+
+
+def test_an_uneven_last_batch_weighs_as_the_docs_say(job):
+    """docs/your-script.md: 49 examples at global batch 4 on 2 workers: the last example counts half."""
+    one_device = common.train_equivalence_on_arrays_of(49)
+    weights = np.ones(49, np.float32)
+    weights[-1] = 0.5
+    last_halved = common.train_equivalence_on_arrays_of(49, sample_weight=weights)
+    for rank in (0, 1):
+        got = job.results[rank]["partial_batch"]
+        for a, b in zip(got, last_halved):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        assert max(np.abs(np.subtract(a, b)).max() for a, b in zip(got, one_device)) > 1e-3
 
 
 def test_training_on_shards_lowers_the_loss_with_identical_weights(job):

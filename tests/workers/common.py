@@ -56,6 +56,18 @@ def train_equivalence_on_arrays(strategy=None) -> dict:
             "val_loss_data": data.history["val_loss"][0]}
 
 
+def train_equivalence_on_arrays_of(num_examples: int, sample_weight=None, strategy=None) -> list[list]:
+    """One epoch of ``fit(x, y, batch_size=4)`` on ``num_examples`` (49: a last batch of 1); returns the weights."""
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    x, y = regression_data(num_examples)
+    with strategy.scope():
+        model = equivalence_model()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, sample_weight=sample_weight)
+    return [w.tolist() for w in model.get_weights()]
+
+
 def train_equivalence(strategy=None, steps_per_execution: int = 1) -> list[np.ndarray]:
     """SGD for EQUIVALENCE_STEPS steps at GLOBAL_BATCH, in order; returns the weights."""
     import tensorflow as tf

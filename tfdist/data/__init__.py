@@ -3,9 +3,10 @@
     import tfdist
     from tfdist import data
 
-    result = data.write_tfrecords((images, labels), "shards", num_shards=16)
     with tfdist.scope() as strategy:
         model = build_model()
+    # on every worker: the chief writes, the others wait for it
+    result = data.write_tfrecords((images, labels), "shards", num_shards=16, overwrite=True)
     dataset = data.distribute(strategy, lambda ctx: data.tfrecord_dataset(
         result.pattern, batch_size=256, input_context=ctx, repeat=True,
         parse_fn=lambda b: (b["image"], b["label"])))

@@ -1,19 +1,33 @@
 """Reading TFRecord shards for training: ``tfrecord_dataset`` and ``distribute``.
 
-The pipeline, in order: list the files -> shuffle them (a seed every worker shares)
--> shard per input pipeline -> read files in parallel (interleave) -> shuffle records
--> batch -> parse and decode whole batches (parallel map) -> prefetch.
+The pipeline, per epoch: list the files -> order them for this epoch -> shard per
+input pipeline -> read files in parallel (interleave) -> shuffle records -> then
+batch -> parse and decode whole batches (parallel map) -> prefetch.
+
+Which worker reads which record depends only on what every worker shares: the file
+list, the pipeline's ``seed`` and the epoch number. The file order of epoch ``e`` is a
+stateless permutation seeded by ``(seed, e)``, so it is the same on every worker
+whatever global seed each process set (``tf.random.set_seed(100 + rank)`` is a common
+idiom); shards of one order are disjoint, and a fresh order each epoch still covers
+every file once. Only the record shuffle inside a shard and augmentation use the
+process's own random state.
 
 Sharding is file-level when there are at least as many files as input pipelines
 (each pipeline reads whole files) and record-level otherwise (each pipeline reads
 every file and keeps every n-th record of each, with a warning). Either way every
-record is read exactly once per epoch across all pipelines. The shared file seed
-makes the shuffled file list identical on every worker, so its shards are disjoint,
-and a fresh permutation each epoch still covers every file once.
+record is read exactly once per epoch across all pipelines.
+
+A ``cache=`` path gets a name of its own per input pipeline, keyed by the pipeline's
+index and count and a hash of the files (names, sizes, modification times) and the
+file order's settings: workers never share a cache, and a cache left by a run with
+another worker count or other files is never read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 import warnings
 from typing import Callable, Mapping, Sequence, Union
@@ -28,6 +42,8 @@ FilePattern = Union[str, Sequence[str]]
 # The file-order seed when none is given: a constant, so all workers agree without talking.
 _DEFAULT_FILE_SEED = 20261122
 _MAX_OPEN_FILES = 16
+# File caches this process has handed out: a lock file found before the first hand-out is stale.
+_CACHES_IN_USE: set[str] = set()
 
 
 def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
@@ -51,20 +67,27 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             ``lambda b: (tf.cast(b["image"], "float32") / 255, b["label"])``.
         input_context: the ``tf.distribute.InputContext`` that ``distribute`` (or
             ``strategy.distribute_datasets_from_function``) passes; shards the files.
-        shuffle: shuffle the file order and the records (through ``shuffle_buffer``
-            serialized records), anew each epoch.
+        shuffle: shuffle the file order (the same on every worker; a new order each epoch
+            of ``repeat``, while without ``repeat``, or with a cache, every pass reads the
+            first epoch's files) and the records within each worker's share (through
+            ``shuffle_buffer`` serialized records, a new order each pass or epoch).
         shuffle_buffer: records held for shuffling (memory: this many encoded records).
-        seed: makes the order reproducible (and, with ``deterministic`` left None,
-            keeps parallel reading in order).
+        seed: the file order's seed, which every worker must share (a constant when
+            None); also makes the record order reproducible (and, with ``deterministic``
+            left None, keeps parallel reading in order). Never derive it from the rank.
         repeat: True repeats forever, an int that many epochs.
-        cache: True caches this pipeline's serialized records in memory after the first
-            epoch, a string caches them to that file.
+        cache: True caches this pipeline's serialized records in memory during the first
+            epoch; a string is a path prefix for a file cache: each input pipeline
+            caches to ``PREFIX-<pipeline>-of-<pipelines>-<hash of files and settings>``
+            (the directory is created), so one string serves every worker. A pipeline
+            with a cache reads the same files every epoch (the first epoch's).
         drop_remainder: drop a last partial batch; None drops it only when repeating,
             which gives every batch a static size.
         image_size: (height, width) to resize images to; needed when image sizes differ.
         augment: flip images left-right at random.
         deterministic: keep record order under parallelism; None keeps it when a seed is
-            given or shuffling is off, and otherwise lets the fastest record go first.
+            given or shuffling is off, and otherwise lets the fastest record go first (then
+            with ``repeat`` a batch of the next epoch may come before the last of this one).
         skip_corrupt: skip damaged data (keeping a damaged file's records before the
             damage) with a warning that counts it, instead of raising. Files are checked
             record header by record header when the dataset is built; a damaged record
@@ -80,18 +103,14 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             missing from the records, or a bad batch size or argument.
     """
     batch = per_pipeline_batch_size(batch_size, input_context)
-    _check_arguments(shuffle_buffer, image_size, repeat)
+    _check_arguments(shuffle_buffer, image_size, repeat, seed, cache)
     paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
     pipelines = input_context.num_input_pipelines if input_context else 1
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     record_level = _record_level_sharding(len(paths), pipelines)
     ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
-
-    files = tf.data.Dataset.from_tensor_slices((paths, tf.constant(counts, tf.int64)))
-    if shuffle:
-        files = files.shuffle(len(paths), seed=_DEFAULT_FILE_SEED if seed is None else seed)
-    if pipelines > 1 and not record_level:
-        files = files.shard(pipelines, pipeline_id)
+    file_seed = _DEFAULT_FILE_SEED if seed is None else seed
+    path_list, count_list = tf.constant(paths), tf.constant(counts, tf.int64)
 
     def read_file(path, count):
         file_records = tf.data.TFRecordDataset(path).take(count)
@@ -99,14 +118,29 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             file_records = file_records.ignore_errors(log_warning=True)
         return file_records.shard(pipelines, pipeline_id) if record_level else file_records
 
-    dataset = files.interleave(read_file, cycle_length=min(len(paths), _MAX_OPEN_FILES),
-                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
-    if cache:
-        dataset = dataset.cache("" if cache is True else cache)
-    if shuffle:
-        dataset = dataset.shuffle(shuffle_buffer, seed=seed)
-    if repeat:
-        dataset = dataset.repeat(None if repeat is True else repeat)
+    def epoch_records(epoch):
+        """This pipeline's records of one epoch, file by file (interleaved), before the record shuffle."""
+        order = _file_order(len(paths), file_seed, epoch) if shuffle else tf.range(len(paths))
+        files = tf.data.Dataset.from_tensor_slices((tf.gather(path_list, order), tf.gather(count_list, order)))
+        if pipelines > 1 and not record_level:
+            files = files.shard(pipelines, pipeline_id)
+        return files.interleave(read_file, cycle_length=min(len(paths), _MAX_OPEN_FILES),
+                                num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
+
+    def shuffled(records):
+        return records.shuffle(shuffle_buffer, seed=seed) if shuffle else records
+
+    if cache or not repeat:  # the same files every epoch (a cache replays the first), records reshuffled
+        dataset = epoch_records(tf.constant(0, tf.int64))
+        if cache:
+            settings = [counts, file_seed, shuffle, skip_corrupt]
+            dataset = dataset.cache("" if cache is True else _cache_path(cache, pipeline_id, pipelines, paths, settings))
+        dataset = shuffled(dataset)
+        if repeat:
+            dataset = dataset.repeat(None if repeat is True else repeat)
+    else:  # a new file order each epoch; each epoch's records shuffled apart from the next epoch's
+        epochs = tf.data.Dataset.counter() if repeat is True else tf.data.Dataset.range(repeat)
+        dataset = epochs.flat_map(lambda epoch: shuffled(epoch_records(epoch)))
     dataset = dataset.batch(batch, drop_remainder=bool(repeat) if drop_remainder is None else drop_remainder)
     decode = batch_parser(paths[0], features=features, image_size=image_size, augment=augment, seed=seed,
                           parse_fn=parse_fn)
@@ -160,24 +194,69 @@ def per_pipeline_batch_size(batch_size: int, input_context: tf.distribute.InputC
     return batch_size // replicas
 
 
-def _check_arguments(shuffle_buffer: int, image_size, repeat) -> None:
+def _file_order(num_files: int, seed: int, epoch: tf.Tensor) -> tf.Tensor:
+    """The files' order in ``epoch``: a permutation from stateless random numbers, so a pure function of
+    ``(seed, epoch)``. tf.data's ``shuffle(seed=...)`` mixes its seed with the process's global seed."""
+    keys = tf.random.stateless_uniform([num_files], seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
+    return tf.argsort(keys, stable=True)
+
+
+def _cache_path(prefix: str, pipeline_id: int, pipelines: int, paths: list[str], settings: list) -> str:
+    """The file cache of one input pipeline: ``PREFIX-00000-of-00002-<hash>``, its directory created.
+
+    The hash covers each file's path, size and modification time and the ``settings`` that
+    choose this pipeline's records. A lock file left by a process that died while caching
+    to this path is removed (TensorFlow would refuse the path until it is deleted).
+    """
+    stats = [(path, tf.io.gfile.stat(path).length, tf.io.gfile.stat(path).mtime_nsec) for path in paths]
+    digest = hashlib.sha256(json.dumps([stats, settings]).encode()).hexdigest()[:16]
+    path = f"{prefix}-{pipeline_id:05d}-of-{pipelines:05d}-{digest}"
+    directory = os.path.dirname(path)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    if path not in _CACHES_IN_USE:
+        for stale in tf.io.gfile.glob(f"{path}_*.lockfile") + tf.io.gfile.glob(f"{path}_*.tempstate*"):
+            tf.io.gfile.remove(stale)
+        _CACHES_IN_USE.add(path)
+    return path
+
+
+def _check_arguments(shuffle_buffer: int, image_size, repeat, seed, cache) -> None:
     if not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
         raise DataError(f"shuffle_buffer must be a positive int: received shuffle_buffer={shuffle_buffer!r}.")
     if image_size is not None and not (len(image_size) == 2 and all(isinstance(n, int) and n > 0 for n in image_size)):
         raise DataError(f"image_size must be (height, width) in positive ints or None: received {image_size!r}.")
     if repeat is not True and repeat is not False and not (isinstance(repeat, int) and repeat > 0):
         raise DataError(f"repeat must be True, False or a positive number of epochs: received repeat={repeat!r}.")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise DataError(f"seed must be an int (the same on every worker) or None: received seed={seed!r}.")
+    if not isinstance(cache, (bool, str)) or cache == "":
+        raise DataError(f"cache must be False, True (memory) or a file path prefix: received cache={cache!r}.")
 
 
 def _list_files(file_pattern: FilePattern) -> list[str]:
     patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
     paths = sorted({path for pattern in patterns for path in tf.io.gfile.glob(pattern)
-                    if not tf.io.gfile.isdir(path)})
+                    if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path)})
     if not paths:
         raise FileNotFoundError(f"file_pattern={file_pattern!r} matches no file. Check the directory; shards from "
                                 "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
                                 "(pattern 'DIR/data-*.tfrecord').")
+    _refuse_shards_being_written(paths)
     return paths
+
+
+def _refuse_shards_being_written(paths: list[str]) -> None:
+    """write_tfrecords moves shards into place from a ``.tmp-PREFIX-*`` directory, removed when it is done."""
+    for directory in sorted({os.path.dirname(path) for path in paths}):
+        names = [os.path.basename(path) for path in paths if os.path.dirname(path) == directory]
+        for temp in tf.io.gfile.glob(os.path.join(directory, ".tmp-*")):
+            prefix = os.path.basename(temp.rstrip("/"))[len(".tmp-"):].rsplit("-", 1)[0]
+            if any(name.startswith(f"{prefix}-") for name in names):
+                raise DataError(f"The shards {prefix}-* in {directory} are being written or replaced by write_tfrecords "
+                                f"now ({temp} is there): read them after it returns. In a multi-worker job call "
+                                "write_tfrecords on every worker: the others wait for the chief's write. If no write "
+                                f"is running (one was killed), delete {temp}.")
 
 
 def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], list[int]]:

@@ -2,21 +2,46 @@
 
 Examples go to shards round-robin (example i to shard i % num_shards), so shards
 differ in size by at most one record. Every shard is written under a temporary
-directory inside ``out_dir`` and moved to its final name only once all shards are
-complete: a crash never leaves a half-written shard under a final name.
+directory inside ``out_dir`` (``.tmp-PREFIX-*``) and moved to its final name only once
+all shards are complete: a crash never leaves a half-written shard under a final name.
+Each move replaces the old shard of that name in one step; old shards of another count
+go last, then ``.PREFIX.complete.json`` (the completion marker: a hash of the examples
+and settings, and each shard's size) is written and the temporary directory removed.
+``tfrecord_dataset`` refuses shards whose temporary directory is still there, so it
+never reads a set being replaced.
+
+In a multi-worker job the script runs on every worker, so every worker may call
+``write_tfrecords``: the chief writes, the others hash the same examples and wait until
+the marker says the chief's shards of those examples are complete. Nothing is
+exchanged between workers, so a script that calls it on the chief only works as well.
+When the marker already matches, nothing is rewritten.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import sys
+import time
 import uuid
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tfdist import cluster as cluster_lib
 from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
+
+
+_POLL_S = 0.2  # how often a worker waiting for the chief's write looks again
+_NOTE_EVERY_S = 60.0  # how often it says that it is still waiting
+
+
+def _before_each_move() -> None:
+    """Called before each shard moves into place: tests replace it to widen the window in which
+    another worker could read a half-replaced set."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +68,12 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
                     image_format: str = "jpeg", jpeg_quality: int = 95, overwrite: bool = False) -> WriteResult:
     """Writes examples into ``num_shards`` TFRecord files of ``tf.train.Example``.
 
+    In a multi-worker job, call it on every worker with the same arguments (as a script
+    does): worker 0 writes, the others wait until its shards of the same examples are
+    complete and return the same result, so no worker reads early. ``out_dir`` must then
+    be a directory every worker sees (a shared filesystem). Shards of the same examples
+    and settings already complete in ``out_dir`` are not rewritten.
+
     Args:
         source: a ``tf.data.Dataset`` of dicts (a tfds split) or of (image, label) pairs,
             a dict of NumPy arrays, or an (images, labels) pair of arrays. uint8 features of
@@ -67,28 +98,107 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     _check_arguments(num_shards, prefix, image_format, jpeg_quality)
     dataset = _as_dataset(source)
     kinds = _feature_kinds(dataset.element_spec, image_format)
+    names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    fingerprint = _fingerprint(dataset, [names, image_format, jpeg_quality])
+    job = cluster_lib.cluster_from_env()
+    if job.is_chief:
+        return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite, fingerprint)
+    return _wait_for_the_chief(job.worker_index, out_dir, prefix, names, fingerprint)
+
+
+def _fingerprint(dataset: tf.data.Dataset, settings: list) -> str:
+    """A hash of every example's values, in order, and of the settings that shape the shards.
+
+    Raises:
+        DataError: the dataset holds no example.
+    """
+    digest, count = hashlib.sha256(json.dumps(settings).encode()), 0
+    for count, example in enumerate(dataset.as_numpy_iterator(), start=1):
+        for key in sorted(example):
+            value = np.asarray(example[key])
+            digest.update(f"{key}:{value.dtype}:{value.shape};".encode())
+            if value.dtype == object:  # 1-D strings: bytes objects, each hashed with its length
+                for item in value.reshape(-1):
+                    digest.update(len(item).to_bytes(8, "little") + item)
+            else:
+                digest.update(np.ascontiguousarray(value).tobytes())
+    if count == 0:
+        raise DataError("The source holds no example: nothing to write.")
+    return digest.hexdigest()
+
+
+def _wait_for_the_chief(rank: int, out_dir: str, prefix: str, names: list[str], fingerprint: str) -> WriteResult:
+    """A worker other than the chief: waits until the chief's shards of these very examples are complete."""
+    started = time.monotonic()
+    next_note = started + _NOTE_EVERY_S
+    while (count := _finished(out_dir, prefix, fingerprint)) is None:
+        if time.monotonic() > next_note:
+            print(f"tfdist.data: worker {rank} has waited {time.monotonic() - started:.0f} s for worker 0 to write "
+                  f"these examples into {out_dir} (every worker must see that directory: a shared filesystem).",
+                  file=sys.stderr, flush=True)
+            next_note += _NOTE_EVERY_S
+        time.sleep(_POLL_S)
+    return WriteResult(tuple(os.path.join(out_dir, n) for n in names), count)
+
+
+def _finished(out_dir: str, prefix: str, fingerprint: str) -> int | None:
+    """The record count of a complete write of ``fingerprint`` in ``out_dir``, else None."""
+    marker = os.path.join(out_dir, _marker_name(prefix))
+    if tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))) or not tf.io.gfile.exists(marker):
+        return None
+    try:
+        with tf.io.gfile.GFile(marker) as f:
+            done = json.loads(f.read() or "{}")
+        sizes = done.get("sizes") or {}
+        complete = done.get("fingerprint") == fingerprint and sizes and all(
+            tf.io.gfile.stat(os.path.join(out_dir, name)).length == size for name, size in sizes.items())
+    except tf.errors.NotFoundError:  # a shard is missing, or the chief began another write meanwhile
+        return None
+    return done["num_records"] if complete else None
+
+
+def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix: str, names: list[str],
+           image_format: str, jpeg_quality: int, overwrite: bool, fingerprint: str) -> WriteResult:
     existing = tf.io.gfile.glob(os.path.join(out_dir, f"{prefix}-*-of-*.tfrecord"))
     if existing and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
                               "pass overwrite=True to replace them, or choose another prefix or out_dir.")
+    paths = tuple(os.path.join(out_dir, n) for n in names)
+    done = _finished(out_dir, prefix, fingerprint)
+    if done is not None:  # these very examples are there, complete: nothing to replace
+        return WriteResult(paths, done)
     tf.io.gfile.makedirs(out_dir)
+    for stale in tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))):  # left by a killed write
+        tf.io.gfile.rmtree(stale)
     encoded = dataset.map(_encoder(kinds, image_format, jpeg_quality), num_parallel_calls=tf.data.AUTOTUNE)
     temp_dir = os.path.join(out_dir, f".tmp-{prefix}-{uuid.uuid4().hex[:8]}")
-    names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
+    marker = os.path.join(out_dir, _marker_name(prefix))
     try:
         tf.io.gfile.makedirs(temp_dir)
         count = _write_shards(encoded, kinds, [os.path.join(temp_dir, n) for n in names])
-        if count == 0:
-            raise DataError("The source holds no example: nothing to write.")
-        for path in existing:
-            tf.io.gfile.remove(path)
-        paths = tuple(os.path.join(out_dir, n) for n in names)
+        sizes = {name: tf.io.gfile.stat(os.path.join(temp_dir, name)).length for name in names}
+        if tf.io.gfile.exists(marker):
+            tf.io.gfile.remove(marker)
         for name, path in zip(names, paths):
-            tf.io.gfile.rename(os.path.join(temp_dir, name), path, overwrite=True)
+            _before_each_move()
+            tf.io.gfile.rename(os.path.join(temp_dir, name), path, overwrite=True)  # old shard -> new, in one step
+        for path in set(existing) - set(paths):
+            tf.io.gfile.remove(path)
+        with tf.io.gfile.GFile(os.path.join(temp_dir, "marker"), "w") as f:
+            f.write(json.dumps({"fingerprint": fingerprint, "num_records": count, "sizes": sizes}))
+        tf.io.gfile.rename(os.path.join(temp_dir, "marker"), marker, overwrite=True)
     finally:
         if tf.io.gfile.exists(temp_dir):
             tf.io.gfile.rmtree(temp_dir)
     return WriteResult(paths, count)
+
+
+def _marker_name(prefix: str) -> str:
+    return f".{prefix}.complete.json"
+
+
+def _temp_pattern(prefix: str) -> str:
+    return f".tmp-{prefix}-{'?' * 8}"
 
 
 def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
