@@ -1,6 +1,10 @@
-"""2 Horovod-style ranks with uneven data: ``hvd.join()`` after fit and after a tf.function loop; SyncBatchNormalization.
+"""2 Horovod-style ranks with uneven data.
 
-argv: OUT_DIR. Every rank starts from the same weights (``join_start``), so no broadcast is needed.
+``hvd.join()`` after fit, after a tf.function loop and after an eager loop; SyncBatchNormalization;
+tf.function steps that rank 0 alone retraces for its partial last batch (a DistributedGradientTape
+made inside the function; an Embedding's sparse gradients).
+
+argv: OUT_DIR. Every rank starts from the same weights, so no broadcast is needed before training.
 """
 
 import sys
@@ -55,7 +59,21 @@ payload["loop_weights_at_join"] = [w.tolist() for w in model.get_weights()]
 hvd.broadcast_variables(model.variables, root_rank=last)  # Horovod's way: the last rank to join has every update
 payload["loop_weights"] = [w.tolist() for w in model.get_weights()]
 
-# 3. SyncBatchNormalization: each rank half of every global batch.
+# 3. An eager DistributedGradientTape loop; rank 1 has more batches, rank 0 joins first.
+x, y = common.join_data(r + 8, (2, 4)[r])
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+for i in range((2, 4)[r]):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+                                        - y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH]))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+payload["eager_last"] = last = int(hvd.join().numpy())
+hvd.broadcast_variables(model.variables, root_rank=last)
+payload["eager_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 4. SyncBatchNormalization: each rank half of every global batch.
 x, y = common.sync_bn_data()
 half = len(x) // 2
 mine = np.concatenate([x[i:i + 16][r * 8:(r + 1) * 8] for i in range(0, len(x), 16)])
@@ -64,4 +82,42 @@ model = common.sync_bn_model(hvd.SyncBatchNormalization(momentum=0.5))
 model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
 history = model.fit(mine, mine_y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 payload["sync_bn_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 5. A tf.function step with the DistributedGradientTape made inside it; rank 0's last batch is partial,
+# so rank 0 alone traces the step again (its collectives must keep their keys).
+x, y = common.join_data(r + 6, 3)
+x, y = (x[:10], y[:10]) if r == 0 else (x, y)
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+
+
+@tf.function
+def tape_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+for i in range(3):
+    tape_step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+payload["retrace_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 6. The same with an Embedding (sparse gradients, all-gathered) and a DistributedOptimizer.
+x, y = common.embedding_data(r, 10 if r == 0 else 12)
+model = common.embedding_model()
+optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(common.JOIN_LR))
+
+
+@tf.function
+def sparse_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+for i in range(3):
+    sparse_step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+payload["sparse_weights"] = [w.tolist() for w in model.get_weights()]
+
 common.write_result(out_dir, payload)
