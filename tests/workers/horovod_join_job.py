@@ -99,8 +99,8 @@ def tape_step(xb, yb):
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
-for i in range(3):
-    tape_step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+for i in range(0, len(x), common.JOIN_BATCH):
+    tape_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
 payload["retrace_weights"] = [w.tolist() for w in model.get_weights()]
 
 # 6. The same with an Embedding (sparse gradients, all-gathered) and a DistributedOptimizer.
@@ -116,8 +116,8 @@ def sparse_step(xb, yb):
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
 
-for i in range(3):
-    sparse_step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+for i in range(0, len(x), common.JOIN_BATCH):
+    sparse_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
 payload["sparse_weights"] = [w.tolist() for w in model.get_weights()]
 
 common.write_result(out_dir, payload)

@@ -77,7 +77,8 @@ def _reduce_before_the_finite_check(original, self, grads, trainable_variables=N
     variables = trainable_variables or self._trainable_variables
     # A lossy wire (fp16) carries the gradients unscaled, as after Keras' own unscaling: scaled ones
     # overflow float16 (65504) where one device's float32 would not, and skip steps it would not.
-    scale = None if getattr(inner, "compression", None) in (None, compression_lib.Compression.none) else self.dynamic_scale
+    lossy = getattr(inner, "compression", None) not in (None, compression_lib.Compression.none)
+    scale = self.dynamic_scale if lossy else None
     grads = [g if g is None or scale is None else g / tf.cast(scale, g.dtype) for g in grads]
     reduced = [g for g, _ in inner._all_reduce_sum_gradients(list(zip(grads, variables)))]
     reduced = [g if g is None or scale is None else g * tf.cast(scale, g.dtype) for g in reduced]
