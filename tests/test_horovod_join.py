@@ -70,3 +70,13 @@ def test_sparse_gradients_survive_one_rank_retracing_for_a_partial_batch(job):
     per_rank = [[(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
                 for x, y in (common.embedding_data(0, 10), common.embedding_data(1, 12))]
     assert_equal_on_both_ranks(job, "sparse_weights", common.mean_of_gradients(common.embedding_model(), per_rank))
+
+
+def test_gradient_buckets_do_not_wait_for_sync_batch_normalizations_backward_all_reduce(job):
+    """The layer's collectives run in their own lane: the first bucket (last layers) starts before the backward
+    pass reaches the layer; the bucket holding the layer before it waits, as its data needs."""
+    lane = job.results[0]["sync_bn_lane"]
+    assert lane["buckets"] >= 2 and lane["layer_collectives"] == 2, lane
+    assert not lane["first_bucket_waits"] and lane["last_bucket_waits"], lane
+    for a, b in zip(job.results[0]["sync_bn_lane_weights"], job.results[1]["sync_bn_lane_weights"]):
+        np.testing.assert_array_equal(a, b)

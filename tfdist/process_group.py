@@ -46,8 +46,11 @@ from tfdist.errors import CollectiveMismatchError
 REDUCE_OPS = ("mean", "sum", "min", "max", "product")
 _MERGE_OPS = {"sum": "Add", "mean": "Add", "min": "Min", "max": "Max", "product": "Mul"}
 _KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "barrier")
-# Far above the small keys tf.distribute strategies count up from.
+# Far above the small keys tf.distribute strategies count up from. A group's key lies in
+# [_GROUP_KEY_BASE, _GROUP_KEY_BASE + _LANE_STRIDE); its lanes' keys above, one stride each.
 _GROUP_KEY_BASE = 1 << 29
+_LANE_STRIDE = 1 << 21
+_MAX_LANES = 63
 _INSTANCE_KEY_BASE = 1 << 30
 _SIGNATURE_DIMS = 8
 
@@ -105,10 +108,11 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self._timeout = float(timeout or 0)
         self._hint = hint.lower()
-        self.group_key_base = _GROUP_KEY_BASE + 2 * (zlib.crc32(repr(self.ranks).encode()) % (1 << 20))
+        self.group_key_base = _GROUP_KEY_BASE + 2 * (zlib.crc32(repr(self.ranks).encode()) % (_LANE_STRIDE // 2))
         self._counter = itertools.count(_INSTANCE_KEY_BASE)
         self._lock = threading.Lock()
         self._tokens: dict[str, tf.Variable] = {}
+        self._lanes: dict[int, "ProcessGroup"] = {}
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={list(self.ranks)}, rank={self.rank})"
@@ -117,6 +121,25 @@ class ProcessGroup:
         """A group of some of this group's job ranks, with the same timeout and transport."""
         return ProcessGroup(job_ranks, self.ranks[self.rank] if self.rank is not None else -1,
                             self._timeout, self._hint)
+
+    def lane(self, number: int) -> "ProcessGroup":
+        """The same ranks on a group key and ordering token of their own (``number`` 1 to 63).
+
+        Inside a tf.function this group's collectives run in program order, each after the
+        one before (the ordering token); a lane's collectives are ordered among themselves
+        only. A layer whose collectives sit in the backward pass (SyncBatchNormalization)
+        uses a lane, so the gradient all-reduces created after the backward pass do not
+        wait for them. Instance keys come from this group's counter.
+        """
+        if not (isinstance(number, int) and 1 <= number <= _MAX_LANES):
+            raise ValueError(f"lane number must be an int from 1 to {_MAX_LANES}; received {number!r}.")
+        if number not in self._lanes:
+            lane = ProcessGroup.__new__(ProcessGroup)
+            lane.__dict__.update(self.__dict__)  # same ranks, timeout, transport, key counter and lock
+            lane.group_key_base = self.group_key_base + number * _LANE_STRIDE
+            lane._tokens, lane._lanes = {}, {}
+            self._lanes[number] = lane
+        return self._lanes[number]
 
     def new_instance_key(self) -> int:
         """The next instance key of this group (every rank allocates in the same order)."""

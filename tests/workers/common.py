@@ -236,3 +236,19 @@ def mean_of_gradients(model, rank_batches, lr: float = JOIN_LR) -> list:
         for variable, gradient in zip(model.trainable_variables, total):
             variable.assign_sub(lr * gradient / len(step))
     return [w for w in model.get_weights()]
+
+
+def collectives_waited_for(graph) -> dict:
+    """Each collective op of a traced ``graph``, in creation order -> the collectives it waits for (data or control)."""
+    collectives = [op for op in graph.get_operations() if op.type.startswith("Collective")]
+    waits = {}
+    for op in collectives:
+        seen, stack = set(), [op]
+        while stack:
+            current = stack.pop()
+            for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+                if parent.name not in seen:
+                    seen.add(parent.name)
+                    stack.append(parent)
+        waits[op] = [other for other in collectives if other.name in seen]
+    return waits

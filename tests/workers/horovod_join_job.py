@@ -2,7 +2,7 @@
 
 ``hvd.join()`` after fit, after a tf.function loop and after an eager loop; SyncBatchNormalization;
 tf.function steps that rank 0 alone retraces for its partial last batch (a DistributedGradientTape
-made inside the function; an Embedding's sparse gradients).
+made inside the function; an Embedding's sparse gradients); which all-reduces wait for SyncBatchNormalization's.
 
 argv: OUT_DIR. Every rank starts from the same weights, so no broadcast is needed before training.
 """
@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tfdist
 import tfdist.horovod as hvd
 from tests.workers import common
 
@@ -120,4 +121,36 @@ for i in range(0, len(x), common.JOIN_BATCH):
     sparse_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
 payload["sparse_weights"] = [w.tolist() for w in model.get_weights()]
 
+
+# 7. SyncBatchNormalization between Dense layers, gradients in small buckets: the first bucket (the last
+# layers' gradients) must not wait for the layer's backward all-reduce, which the backward pass reaches later.
+tfdist.set_bucket_bytes(64, 64)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), hvd.SyncBatchNormalization(momentum=0.5),
+                          keras.layers.Dense(3), keras.layers.Dense(1)])
+rng = np.random.default_rng(3)
+model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+optimizer = keras.optimizers.SGD(0.1)
+
+
+@tf.function
+def bn_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+x, y = common.sync_bn_data()
+x, y = x[r * 8:(r + 1) * 8], y[r * 8:(r + 1) * 8]
+waits = common.collectives_waited_for(bn_step.get_concrete_function(x, y).graph)
+bn_step(x, y)
+group_key = {op: int(tf.get_static_value(op.inputs[2])) for op in waits}
+last = list(waits)[-1]  # a gradient bucket's all-reduce
+buckets = [op for op in waits if group_key[op] == group_key[last]]
+lane = [op for op in waits if group_key[op] != group_key[last]]  # the layer's own: forward, then backward
+payload["sync_bn_lane"] = {"buckets": len(buckets), "layer_collectives": len(lane)}
+if len(lane) == 2:
+    payload["sync_bn_lane"].update(first_bucket_waits=lane[1] in waits[buckets[0]],
+                                   last_bucket_waits=lane[1] in waits[buckets[-1]])
+payload["sync_bn_lane_weights"] = [w.tolist() for w in model.get_weights()]
 common.write_result(out_dir, payload)
