@@ -80,3 +80,10 @@ def test_gradient_buckets_do_not_wait_for_sync_batch_normalizations_backward_all
     assert not lane["first_bucket_waits"] and lane["last_bucket_waits"], lane
     for a, b in zip(job.results[0]["sync_bn_lane_weights"], job.results[1]["sync_bn_lane_weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fp16_wire_under_loss_scaling_skips_no_step_one_device_takes(job):
+    for rank in (0, 1):
+        result = job.results[rank]["fp16_loss_scale"]
+        assert (result["steps"], result["scale"]) == (2, 2.0**15), result
+        np.testing.assert_allclose(result["weights"], [1.0 - 0.01 * 3 * 2, 2.0 - 0.01 * 2], rtol=1e-6)

@@ -153,4 +153,15 @@ if len(lane) == 2:
     payload["sync_bn_lane"].update(first_bucket_waits=lane[1] in waits[buckets[0]],
                                    last_bucket_waits=lane[1] in waits[buckets[-1]])
 payload["sync_bn_lane_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 8. hvd.DistributedOptimizer(LossScaleOptimizer) with fp16 compression: scaled gradients (3 * 2**15) would
+# overflow float16; the all-reduce carries the unscaled ones, so no step is skipped (as on one device).
+variable = keras.Variable(np.array([1.0, 2.0], "float32"))
+optimizer = hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.SGD(0.01), initial_scale=2.0**15), compression=hvd.Compression.fp16)
+optimizer.build([variable])
+for _ in range(2):
+    optimizer.apply([tf.constant([3.0, 1.0]) * optimizer.dynamic_scale], [variable])
+payload["fp16_loss_scale"] = {"steps": int(optimizer.inner_optimizer.iterations.numpy()),
+                              "scale": float(optimizer.dynamic_scale.numpy()), "weights": variable.numpy().tolist()}
 common.write_result(out_dir, payload)
