@@ -17,6 +17,7 @@ import shutil
 import sys
 from typing import Sequence
 
+from tfdist import cluster
 from tfdist.errors import LaunchError
 from tfdist.launch import hostlist, local, nodes, ssh, supervisor
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT,
                         help="stop the job when its workers have not all joined the tfdist cluster this many "
                              "seconds after the first tried (default: %(default)s)")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                        help=f"stop the job (exit code {cluster.EXIT_HANG}) when a worker waits in a collective more "
+                             f"than S seconds, naming it; 0: never (default: ${cluster.ENV_HANG_TIMEOUT}, else 600)")
     parser.add_argument("--no-fixes", action="store_true",
                         help="run the command as it is: no tfdist start-up hook in the workers (no Keras fixes "
                              "for scripts that do not import tfdist, no early multi-worker strategy)")
@@ -108,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           env=exported)
     settings = supervisor.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
                                     hide_tf_logs=not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ,
-                                    horovod=args.horovod)
+                                    horovod=args.horovod, hang_timeout=args.hang_timeout)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,
                   max_restarts=args.max_restarts, grace_period=args.grace_period, start_timeout=args.start_timeout)
     if args.nnodes > 1 or args.join_only:
@@ -135,6 +139,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise LaunchError(f"--cpu-devices must be at least 1: received {args.cpu_devices}.")
     if args.timeout is not None and args.timeout <= 0:
         raise LaunchError(f"--timeout must be positive seconds: received {args.timeout}.")
+    if args.hang_timeout is not None and not 0 <= args.hang_timeout < float("inf"):
+        raise LaunchError(f"--hang-timeout must be 0 (off) or positive seconds: received {args.hang_timeout}.")
     if args.start_timeout <= 0:
         raise LaunchError(f"--start-timeout must be positive seconds: received {args.start_timeout}.")
     if not args.no_fixes and local.missing_site_hook():
@@ -224,7 +230,8 @@ def _exported(names: Sequence[str]) -> dict[str, str]:
 
 def _node_args(args: argparse.Namespace) -> list[str]:
     """The options every host's launcher of a -H job gets from this one."""
-    given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout)]
+    given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout),
+             ("--hang-timeout", args.hang_timeout)]
     node_args = [str(part) for flag, value in given if value is not None for part in (flag, value)]
     node_args += ["--grace-period", str(args.grace_period), "--start-timeout", str(args.start_timeout)]
     return node_args + [flag for flag, on in (("--no-fixes", args.no_fixes), ("--horovod", args.horovod),
