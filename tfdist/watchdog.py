@@ -165,6 +165,10 @@ class _Watchdog:
         self.published: tuple | None = None
 
     def run(self) -> None:
+        # Keys that exist from the start: reading one never leaves a call pending in the store.
+        self.publish(self.state(None, False, time.monotonic()))
+        if self.rank == 0:
+            _kv_set(_PREFIX + "hang", "")
         while True:
             time.sleep(self.tick)
             try:
@@ -177,10 +181,10 @@ class _Watchdog:
         self.cpu.append((now, cpu))
         while len(self.cpu) > 2 and self.cpu[1][0] <= now - self.timeout:
             self.cpu.popleft()
-        report = _kv_get(_PREFIX + "hang")
-        if report is not None:
-            self.stop(f"worker {json.loads(report)['rank']} reported a hang:\n{json.loads(report)['report']}",
-                      reporter=False)
+        reported = _kv_get(_PREFIX + "hang")
+        if reported:
+            reported = json.loads(reported)
+            self.stop(f"worker {reported['rank']} reported a hang:\n{reported['report']}", reporter=False)
         previous = self.cpu[-2]
         busy = (cpu - previous[1]) / max(now - previous[0], 1e-6) >= IDLE_CPU
         mark = _longest_call()
@@ -243,8 +247,8 @@ class _Watchdog:
         last_resort = threading.Timer(deadline + 5, os._exit, (EXIT_HANG,))  # whatever the store does
         last_resort.name, last_resort.daemon = "tfdist-hang-watchdog-exit", True
         last_resort.start()
-        if reporter and not _kv_set(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report})):
-            reporter = False  # another worker reported first: this one stops as its peer
+        if reporter:
+            _kv_set(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
         header = report if reporter else f"tfdist hang watchdog: stopping worker {self.rank}: {report}"
         sys.stderr.write(f"{header}\n{_stacks(self.rank)}"
                          f"Every worker prints its own stacks. {ENV} (tfdist run --hang-timeout) sets the timeout, "
@@ -291,18 +295,16 @@ def _kv_get(key: str) -> str | None:
         return None
 
 
-def _kv_set(key: str, value: str) -> bool:
-    """Sets ``key`` (replacing this worker's own keys); False when another worker set it first."""
+def _kv_set(key: str, value: str) -> None:
+    """Sets ``key`` in the coordination service's store, replacing what it held (nothing without a store)."""
     ctx = _context()
     if ctx is None:
-        return False
-    if not key.endswith("hang"):
-        try:
-            ctx.delete_config_key_value(key)
-        except Exception:  # noqa: BLE001
-            pass
+        return
+    try:
+        ctx.delete_config_key_value(key)
+    except Exception:  # noqa: BLE001  (absent)
+        pass
     try:
         ctx.set_config_key_value(key, value)
-        return True
-    except Exception:  # noqa: BLE001  (AlreadyExists: another worker reported first)
-        return False
+    except Exception:  # noqa: BLE001  (the store is gone: the job is ending anyway)
+        pass
