@@ -46,7 +46,7 @@ IDLE_CPU = 0.05
 _PREFIX = "tfdist/watchdog/"
 _KV_TIMEOUT_MS = 500
 
-active = False  # whether this process's watchdog runs (marks are skipped otherwise)
+active = False  # whether this process's watchdog runs (tfdist's eager collectives skip their marks otherwise)
 _on_start: list[Callable[[], Any]] = []
 _local = threading.local()
 _marks: list["_Mark"] = []
