@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -31,6 +32,11 @@ def test_a_bad_timeout_is_an_error_naming_it(raw):
     with pytest.raises(ValueError, match=rf"TFDIST_HANG_TIMEOUT='{raw}' is not a number of seconds: set it to e.g. "
                                          r"600 \(the default\), or 0 to turn the hang watchdog off"):
         watchdog.timeout_from_env({"TFDIST_HANG_TIMEOUT": raw})
+
+
+def test_zero_or_one_worker_starts_no_watchdog():
+    assert watchdog.start(0, 2, timeout=0) is False and watchdog.start(0, 1, timeout=600) is False
+    assert not any(t.name.startswith("tfdist-hang-watchdog") for t in threading.enumerate())
 
 
 def test_launcher_flag_reaches_every_worker_and_every_host():
