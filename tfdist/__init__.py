@@ -20,7 +20,7 @@ checks it, imports inside functions included):
    ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
    ``launch/*``);
 1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``compression``, ``fusion``, ``devices``
-   (device specs, GPU pinning, threads);
+   (device specs, GPU pinning, threads), ``watchdog`` (the hang watchdog);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,

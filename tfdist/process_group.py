@@ -40,7 +40,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops, resource_variable_ops
 
 from tfdist import compression as compression_lib
-from tfdist import fusion
+from tfdist import fusion, watchdog
 from tfdist.errors import CollectiveMismatchError
 
 REDUCE_OPS = ("mean", "sum", "min", "max", "product")
@@ -151,6 +151,7 @@ class ProcessGroup:
 
     # Reductions ------------------------------------------------------------------------------
 
+    @watchdog.watched
     def allreduce(self, tensor: Tensorish, op: str = "sum", prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, compression=None, device: str | None = None) -> tf.Tensor:
         """Reduces ``tensor`` over the group; every member gets the result.
@@ -170,6 +171,7 @@ class ProcessGroup:
         return self.grouped_allreduce([tensor], op, prescale_factor, postscale_factor, compression,
                                       device=device)[0]
 
+    @watchdog.watched
     def grouped_allreduce(self, tensors: Sequence[Tensorish], op: str = "sum", prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, compression=None, keys: KeyCache | None = None,
                           device: str | None = None) -> list:
@@ -213,6 +215,7 @@ class ProcessGroup:
 
         return summed(tensor)
 
+    @watchdog.watched
     def reducescatter(self, tensor: Tensorish, op: str = "mean", prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, compression=None) -> tf.Tensor:
         """Reduces ``tensor`` and returns this rank's rows of the result.
@@ -234,6 +237,7 @@ class ProcessGroup:
 
     # Moving data -----------------------------------------------------------------------------
 
+    @watchdog.watched
     def allgather(self, tensor: Tensorish, device: str | None = None) -> tf.Tensor:
         """Concatenates every rank's ``tensor`` along the first axis, in rank order.
 
@@ -264,10 +268,12 @@ class ProcessGroup:
                                 self._instance_key(keys, (*slot, "rows", self._device(device))))
         return tf.boolean_mask(gathered, tf.reshape(tf.sequence_mask(lengths, longest), [-1]))
 
+    @watchdog.watched
     def broadcast(self, tensor: Tensorish, root: int, device: str | None = None) -> tf.Tensor:
         """Returns the ``tensor`` of the member with index ``root`` on every member, bit for bit."""
         return self.grouped_broadcast([tensor], root, device)[0]
 
+    @watchdog.watched
     def grouped_broadcast(self, tensors: Sequence[Tensorish], root: int, device: str | None = None) -> list:
         """``broadcast`` of several tensors: one collective per dtype."""
         tensors = [tf.convert_to_tensor(t) for t in tensors]
@@ -296,6 +302,7 @@ class ProcessGroup:
                 results[i] = value
         return results
 
+    @watchdog.watched
     def alltoall(self, tensor: Tensorish, splits: Tensorish | None = None,
                  device: str | None = None) -> tuple[tf.Tensor, tf.Tensor]:
         """Sends rows ``splits[j]`` of ``tensor`` (in order) to rank j; returns what arrived and from whom.
@@ -343,6 +350,7 @@ class ProcessGroup:
         exchanged = tf.reshape(exchanged, tf.concat([[-1], tf.shape(tensor)[1:]], 0))
         return tf.boolean_mask(exchanged, tf.reshape(tf.sequence_mask(received, longest), [-1])), received
 
+    @watchdog.watched
     def barrier(self) -> None:
         """Returns once every member has called it."""
         self._check_member("barrier")

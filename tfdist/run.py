@@ -19,6 +19,7 @@ import shutil
 import sys
 from typing import Sequence
 
+from tfdist import cluster
 from tfdist.errors import LaunchError
 from tfdist.launch import hostlist, local, nodes, output, ssh, supervisor
 
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT,
                         help="stop the job when its workers have not all joined the tfdist cluster this many "
                              "seconds after the first tried (default: %(default)s)")
+    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                        help=f"stop the job (exit code {cluster.EXIT_HANG}) when a worker waits in a collective more "
+                             f"than S seconds, naming it; 0: never (default: ${cluster.ENV_HANG_TIMEOUT}, else 600)")
     parser.add_argument("--no-fixes", action="store_true",
                         help="run the command as it is: no tfdist start-up hook in the workers (no Keras fixes "
                              "for scripts that do not import tfdist, no early multi-worker strategy)")
@@ -123,7 +127,7 @@ def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[
                           env=exported)
     settings = supervisor.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
                                     hide_tf_logs=not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ,
-                                    horovod=args.horovod)
+                                    horovod=args.horovod, hang_timeout=args.hang_timeout)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,
                   max_restarts=args.max_restarts, grace_period=args.grace_period, start_timeout=args.start_timeout)
     if args.nnodes > 1 or args.join_only:
@@ -187,6 +191,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.grace_period) and 0 <= args.grace_period <= _MAX_GRACE_SECONDS):
         raise LaunchError(f"--grace-period must be 0..{_MAX_GRACE_SECONDS:g} seconds (between SIGTERM and SIGKILL): "
                           f"received {args.grace_period}.")
+    if args.hang_timeout is not None and not (math.isfinite(args.hang_timeout) and 0 <= args.hang_timeout <= _MAX_SECONDS):
+        raise LaunchError(f"--hang-timeout must be 0 (off) or positive seconds up to {_MAX_SECONDS:g}: "
+                          f"received {args.hang_timeout}.")
     for name in ("cpus_per_worker", "gpus_per_worker"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
@@ -280,7 +287,8 @@ def _exported(names: Sequence[str]) -> dict[str, str]:
 
 def _node_args(args: argparse.Namespace) -> list[str]:
     """The options every host's launcher of a -H job gets from this one."""
-    given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout)]
+    given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout),
+             ("--hang-timeout", args.hang_timeout)]
     node_args = [str(part) for flag, value in given if value is not None for part in (flag, value)]
     node_args += ["--grace-period", str(args.grace_period), "--start-timeout", str(args.start_timeout)]
     return node_args + [flag for flag, on in (("--no-fixes", args.no_fixes), ("--horovod", args.horovod),

@@ -18,6 +18,10 @@ Each is a ``tfdist.patching.Patch`` whose guard checks the internal it replaces.
 
 And ``tf.distribute.MirroredStrategy()`` in a multi-worker job warns that it trains each
 worker's own copy. ``install`` also applies ``tfdist.tf_fixes`` (tf.distribute's input).
+
+When the hang watchdog starts (``tfdist.watchdog``), every ``tf.function`` call and every eager
+collective of MultiWorkerMirroredStrategy marks its thread "in a call" until it returns
+(``step_marks``), so a step that waits in a collective is seen.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import warnings
 
 import tensorflow as tf
 
-from tensorflow.python.distribute import collective_all_reduce_strategy, multi_worker_util
+from tensorflow.python.distribute import collective_all_reduce_strategy, cross_device_ops, multi_worker_util
 from tensorflow.python.eager import context
+from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
 from tfdist import cluster as cluster_lib
-from tfdist import devices, startup, state, tf_fixes
+from tfdist import devices, startup, state, tf_fixes, watchdog
 from tfdist.errors import ClusterWarning
 from tfdist.patching import Patch
 
@@ -54,14 +59,55 @@ mirrored_warning = Patch(
     without="tf.distribute.MirroredStrategy() in a multi-worker job trains each worker's own copy, silently.",
     library="tensorflow")
 
+step_marks = Patch(
+    "tf.function calls seen by the hang watchdog", "tfdist: the hang watchdog's marks",
+    without="the hang watchdog sees only tfdist's eager collectives: a train step (or an eager strategy.reduce) "
+            "that waits forever in a collective is not reported.", library="tensorflow")
+
 
 def install() -> None:
     """Installs the patches (idempotent); the runtime-start one only if the runtime has not started."""
     tf_fixes.patch.apply()
     one_multi_worker.apply()
     mirrored_warning.apply()
+    watchdog.on_start(step_marks.apply)
     if context.context()._context_handle is None:
         runtime_start.apply()
+
+
+@step_marks.replaces(polymorphic_function.Function, "__call__", ("self", "args", "kwds"))
+def _call_function(original, self, *args, **kwds):
+    return _marked(original, self, None, args, kwds)
+
+
+_Collectives = cross_device_ops.CollectiveAllReduce
+
+
+@step_marks.replaces(_Collectives, "reduce_implementation", ("self", "reduce_op", "per_replica_value", "destinations",
+                                                             "options"))
+def _reduce(original, self, *args, **kwargs):
+    return _marked(original, self, "MultiWorkerMirroredStrategy reduce", args, kwargs)
+
+
+@step_marks.replaces(_Collectives, "batch_reduce_implementation", ("self", "reduce_op", "value_destination_pairs",
+                                                                   "options"))
+def _batch_reduce(original, self, *args, **kwargs):
+    return _marked(original, self, "MultiWorkerMirroredStrategy batch_reduce", args, kwargs)
+
+
+@step_marks.replaces(_Collectives, "_gather_implementation", ("self", "per_replica_value", "destinations", "axis",
+                                                              "options"))
+def _gather(original, self, *args, **kwargs):
+    return _marked(original, self, "MultiWorkerMirroredStrategy gather", args, kwargs)
+
+
+def _marked(original, self, label: str | None, args: tuple, kwargs: dict):
+    """``original(self, ...)`` marked as a call (eager; while tracing, the tf.function's call is marked)."""
+    watchdog.enter(self, label)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        watchdog.leave()
 
 
 @runtime_start.replaces(context.Context, "ensure_initialized", ("self",))

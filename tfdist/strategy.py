@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfdist import cluster as cluster_lib
 from tfdist import devices as devices_lib
 from tfdist import precision as precision_lib
-from tfdist import process_group, startup, state
+from tfdist import process_group, startup, state, watchdog
 from tfdist.devices import DeviceSpec, configure_cpu_devices, resolve_devices, runtime_initialized  # noqa: F401
 from tfdist.errors import StrategyError
 from tfdist.state import built_by_tfdist, current_strategy, origin_of_current  # noqa: F401  (this module's API)
@@ -102,6 +102,7 @@ def _get_or_build(key: tuple, origin: str | None) -> tf.distribute.Strategy:
     name, devices, options = key
     strategy = make_strategy(name, list(devices) if isinstance(devices, tuple) else devices, **dict(options))
     state.record(state.Built(key, strategy, origin or f"built by tfdist at {startup.user_frame(sys._getframe(1))}"))
+    _start_watchdog(strategy)
     return strategy
 
 
@@ -114,6 +115,13 @@ def adopt(strategy: tf.distribute.Strategy, origin: str) -> None:
     """Makes a multi-worker strategy the script built itself the process's strategy, if it has none."""
     if state.built is None:
         state.record(state.Built(_request_key("multi_worker", None, {}), strategy, origin, adopted=True))
+        _start_watchdog(strategy)
+
+
+def _start_watchdog(strategy: tf.distribute.Strategy) -> None:
+    """Starts the hang watchdog (``TFDIST_HANG_TIMEOUT``) in a multi-worker process."""
+    if process_group.is_multi_worker(strategy):
+        watchdog.start(process_group.worker_rank(strategy), process_group.num_workers(strategy))
 
 
 def current_multi_worker() -> tf.distribute.Strategy | None:

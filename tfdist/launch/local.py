@@ -73,6 +73,8 @@ def worker_env(addresses: Sequence[str], index: int, settings: WorkerSettings, r
         env[cluster.ENV_JOB_DIR] = settings.job_dir
     if settings.horovod:
         env[cluster.ENV_HOROVOD] = "1"
+    if settings.hang_timeout is not None:
+        env[cluster.ENV_HANG_TIMEOUT] = f"{settings.hang_timeout:g}"
     if settings.hide_tf_logs:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if settings.fixes:

@@ -32,7 +32,8 @@ from tfdist import cluster
 from tfdist.launch import hostlist, lifeline, local, master as master_lib, nodes, output, supervisor
 
 # Variables a remote host's launcher gets from this one (besides the token, sent on stdin).
-_FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES)
+_FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES,
+              cluster.ENV_HANG_TIMEOUT)
 _EXIT_SSH = 255
 
 

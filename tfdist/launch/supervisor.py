@@ -52,6 +52,7 @@ class WorkerSettings:
             through the same start-up hook; needs ``fixes``.
         job_dir: a directory that outlives restarts (``cluster.ENV_JOB_DIR``; ``launch`` makes
             one per job unless the environment names it).
+        hang_timeout: ``cluster.ENV_HANG_TIMEOUT`` for every worker (``--hang-timeout``; None: as set here).
     """
 
     cpu_devices: int | None = None
@@ -59,6 +60,7 @@ class WorkerSettings:
     hide_tf_logs: bool = True
     horovod: bool = False
     job_dir: str | None = None
+    hang_timeout: float | None = None
 
 
 @dataclasses.dataclass
@@ -86,6 +88,8 @@ def describe_exit(returncode: int) -> str:
     """'exited with code 3' or 'was killed by SIGKILL'."""
     if returncode < 0:
         return f"was killed by {signal.Signals(-returncode).name}"
+    if returncode == cluster.EXIT_HANG:
+        return f"exited with code {returncode} (tfdist's hang watchdog: it waited in a collective past the hang timeout)"
     return f"exited with code {returncode}"
 
 
