@@ -49,11 +49,13 @@ def test_launcher_flag_reaches_every_worker_and_every_host():
                                                          base_env={})
 
 
-def test_a_negative_hang_timeout_is_refused_by_the_launcher():
-    result = subprocess.run([sys.executable, "-m", "tfdist.run", "-n", "2", "--hang-timeout", "-1", "--", "python"],
+@pytest.mark.parametrize("value", ["-1", "nan", "1e9"])
+def test_a_hang_timeout_out_of_range_is_refused_by_the_launcher(value):
+    result = subprocess.run([sys.executable, "-m", "tfdist.run", "-n", "2", "--hang-timeout", value, "--", "python"],
                             env=job_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "--hang-timeout must be 0 (off) or positive seconds: received -1.0" in result.stderr
+    assert f"--hang-timeout must be 0 (off) or positive seconds up to 1e+08: received {float(value)}." in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_an_extra_allreduce_on_one_worker_stops_the_job_under_tfdist_run(tmp_path):

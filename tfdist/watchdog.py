@@ -23,6 +23,7 @@ its next wake-up (worker 0, which holds the store, last).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import functools
 import json
@@ -247,6 +248,7 @@ class _Watchdog:
         last_resort = threading.Timer(deadline + 5, os._exit, (EXIT_HANG,))  # whatever the store does
         last_resort.name, last_resort.daemon = "tfdist-hang-watchdog-exit", True
         last_resort.start()
+        atexit.register(os._exit, EXIT_HANG)  # a main thread that fails meanwhile (a peer left) exits with it too
         if reporter:
             _kv_set(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
         header = report if reporter else f"tfdist hang watchdog: stopping worker {self.rank}: {report}"
@@ -256,10 +258,13 @@ class _Watchdog:
         sys.stderr.flush()
         sys.stdout.flush()
         _kv_set(f"{_PREFIX}stopped/{self.rank}", "1")
-        if self.rank == 0:  # it holds the store: the others must read the report before it goes
-            end = time.monotonic() + deadline
-            while time.monotonic() < end and any(_kv_get(f"{_PREFIX}stopped/{r}") is None for r in range(self.size)):
-                time.sleep(0.2)
+        # Every worker leaves once all have read the report: one that left earlier would fail its peers' pending
+        # collectives, and they would exit with that error instead. Worker 0 holds the store, so it leaves last.
+        end = time.monotonic() + deadline
+        while time.monotonic() < end and any(_kv_get(f"{_PREFIX}stopped/{r}") is None for r in range(self.size)):
+            time.sleep(0.2)
+        if self.rank == 0:
+            time.sleep(1.0)
         os._exit(EXIT_HANG)
 
 
