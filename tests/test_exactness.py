@@ -119,3 +119,11 @@ def test_keras_optimizer_options(options):
                                       atol=1e-5)
     steps = options.get("gradient_accumulation_steps", 1)
     assert int(two.optimizer.iterations.numpy()) == 2 * len(X) // GLOBAL // steps
+
+
+def test_distributed_optimizer_refuses_a_multi_optimizer_and_names_the_fix():
+    optimizers = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.05))
+    with pytest.raises(TypeError, match=r"DistributedOptimizer wraps one optimizer; received a MultiOptimizer\. Under "
+                                        r"tfdist a MultiOptimizer works as it is .* wrap its inner optimizers: "
+                                        r"keras\.optimizers\.OptimizerMap\(tfdist\.DistributedOptimizer\(opt, "):
+        tfdist.DistributedOptimizer(keras.optimizers.MultiOptimizer(optimizers))

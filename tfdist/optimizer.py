@@ -55,7 +55,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
             gradients in float16 (opt-in: results differ from float32 by about 1e-3).
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras optimizer, or ``compression`` is not a compression.
+        TypeError: ``optimizer`` is not a Keras optimizer or is a ``MultiOptimizer``, or ``compression`` is
+            not a compression.
         ValueError: k is not a positive int, disagrees with the optimizer's own
             ``gradient_accumulation_steps``, or the optimizer was already built.
         KerasCompatibilityError: k > 1 with a Keras whose accumulation tfdist cannot fix.
@@ -63,6 +64,11 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; received "
                         f"{type(optimizer).__name__}.")
+    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        raise TypeError("DistributedOptimizer wraps one optimizer; received a MultiOptimizer. Under tfdist a "
+                        "MultiOptimizer works as it is (gradients all-reduced once); for accumulation or compression "
+                        "wrap its inner optimizers: keras.optimizers.OptimizerMap(tfdist.DistributedOptimizer(opt, "
+                        "backward_passes_per_step=k), ...).")
     check_backward_passes(backward_passes_per_step)
     own = optimizer.gradient_accumulation_steps
     if own and backward_passes_per_step not in (1, own):
