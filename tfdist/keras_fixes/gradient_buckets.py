@@ -12,6 +12,11 @@ What read every gradient before the all-reduce moves after it, so the buckets ca
 early: a ``LossScaleOptimizer``'s finite check (``_reduce_before_the_finite_check``) and
 clipping (``_clip_after_the_all_reduce``, which also makes clipping act on the summed
 gradient, as on one device).
+
+A bucket holds one dtype (an all-reduce concatenates its tensors); sparse gradients travel
+dense (``_dense``). Gradients reduced before a check or clipping are marked on every
+optimizer that applies them (``_reduced``: a ``MultiOptimizer``'s inner ones too), so none
+is summed twice.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def _dense(gradient):
     batch) meets the shape the first step recorded for that collective and fails ("Shape
     mismatch in the collective instance"). Dense, the shape is the variable's on every step,
     and the gradient joins a bucket like any other (Horovod's ``sparse_as_dense``). The sum
-    is the one device's: rows not in the batch add zeros.
+    is the one device's (rows not in the batch add zeros); Keras 3's Adam on one device squares
+    a batch's repeated rows one by one, so there it can differ slightly (docs/performance.md).
     """
     return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
@@ -83,7 +89,8 @@ def _reduce_before_the_finite_check(original, self, grads, trainable_variables=N
     inner = self.inner_optimizer
     context = tf.distribute.get_replica_context()
     if (context is None or context.num_replicas_in_sync <= 1
-            or any(o.gradient_accumulation_steps for o in _applying(inner)) or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
+            or any(o.gradient_accumulation_steps for o in _applying(inner))
+            or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
         return original(self, grads, trainable_variables)
     variables = trainable_variables or self._trainable_variables
     reduced = [g for g, _ in inner._all_reduce_sum_gradients(list(zip(grads, variables)))]
