@@ -83,6 +83,7 @@ def test_logging_and_decision_callbacks_work_under_mirrored(mirrored, tmp_path):
 def test_every_patch_is_applied_on_this_keras():
     assert [(p.name, p.applied, p.problem) for p in keras_fixes.PATCHES] == [
         ("multi_worker_fit", True, None), ("loss_scale", True, None), ("gradient_buckets", True, None),
+        ("accumulation", True, None),
         ("callbacks", True, None),
         ("replica_state", True, None), ("steps_per_execution", True, None), ("exact_steps_per_execution", True, None),
         ("auto_steps_per_execution", True, None), ("xla_cpu_replicas", True, None), ("uneven_data", True, None),

@@ -1,11 +1,15 @@
 """2 workers: training with gradient buckets (every gradient its own all-reduce) against one pack.
 
-argv: OUT_DIR [mismatch]. Each case trains the same model from the same weights twice, with
+argv: OUT_DIR [mismatch | exactness]. Each case trains the same model from the same weights twice, with
 ``tfdist.set_bucket_bytes(1)`` and with 0, and writes both results, how many all-reduce calls
 the optimizer made, and (custom loop) whether the first bucket's collective waits for the first
 layer's gradient. With ``mismatch``, worker 1 alone uses buckets: its fit must fail.
+With ``exactness``, issue 28's cases instead, with the default buckets, each beside its
+one-device weights (``EXACTNESS``): a MultiOptimizer under mixed_float16, a float64 layer, an Embedding with a
+partial last batch, Keras' accumulation with use_ema's overwrite.
 """
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -150,6 +154,59 @@ CASES = {
     "hvd_optimizer": lambda: horovod_case("optimizer"),
     "hvd_tape": lambda: horovod_case("tape"),
 }
+
+
+def exactness_mlp(dtype=None):
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="enc")(inputs)
+    if dtype:
+        hidden = keras.layers.Dense(4, dtype=dtype, name="wide")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(1, name="head", dtype="float32")(hidden))
+
+
+def exactness_embedding():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(20, 3),
+                             keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+def multi_optimizer():
+    optimizers = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.05, momentum=0.9))
+    optimizers["enc/.*"] = keras.optimizers.SGD(0.02, clipnorm=1.0)
+    return keras.optimizers.MultiOptimizer(optimizers)
+
+
+features = rng.normal(size=(48, 6)).astype("float32")
+ids = rng.integers(0, 20, size=(46, 4)).astype("int32")  # 46 at batch 16: a partial last batch
+EXACTNESS = {  # name: (policy, model, optimizer, inputs, targets)
+    "multi_optimizer_mixed_float16": ("mixed_float16", exactness_mlp, multi_optimizer, features, features[:, :1]),
+    "float64_layer": ("float32", lambda: exactness_mlp("float64"), lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                      features, features[:, :1]),
+    "embedding_partial_batch": ("float32", exactness_embedding, lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                                ids, ids[:, :1].astype("float32") / 20),
+    "accumulation_ema": ("float32", exactness_mlp, lambda: keras.optimizers.AdamW(
+        0.01, gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=2, global_clipnorm=0.1),
+        features, features[:, :1]),
+}
+
+
+def exactness_case(policy, build, make_optimizer, inputs, targets, distributed):
+    keras.config.set_dtype_policy(policy)
+    with strategy.scope() if distributed else contextlib.nullcontext():
+        model = build()
+        model.compile(make_optimizer(), "mse")
+    model.fit(inputs, targets, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    keras.config.set_dtype_policy("float32")
+    return {"weights": [w.tolist() for w in model.get_weights()], "digest": digest(model),
+            "iterations": int(model.optimizer.iterations.numpy())}
+
+
+if sys.argv[2:] == ["exactness"]:
+    common.write_result(out_dir, {name: {"two_workers": exactness_case(*case, distributed=True),
+                                         "one_device": exactness_case(*case, distributed=False)}
+                                  for name, case in EXACTNESS.items()})
+    sys.exit(0)
 
 if sys.argv[2:] == ["mismatch"]:
     tfdist.set_bucket_bytes(1 if rank == 1 else 0)
