@@ -10,6 +10,8 @@ ranks the reference weights each example by global size / (ranks * its rank's si
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -236,13 +238,19 @@ def run(cell: Cell, strategy=None, reference: bool = True) -> dict:
         x, y, w, sizes = make_data(cell)
         keras.utils.set_random_seed(0)
         initial = build_model(cell).get_weights()
+        train_one_device = functools.partial(train_reference, cell, initial, x, y,
+                                             horovod_weights(w, sizes) if cell.multi_worker else w, sizes)
+        try:
+            if cell.multi_worker:
+                model, optimizer = train_horovod(cell, initial, x, y, w, sizes)
+            else:
+                model, optimizer = train_mirrored(cell, strategy, initial, x, y, w)
+        except Exception as error:
+            if reference:
+                _fails_on_one_device_too(train_one_device, error)
+            raise
         if reference:
-            weights = horovod_weights(w, sizes) if cell.multi_worker else w
-            expected, expected_optimizer = train_reference(cell, initial, x, y, weights, sizes)
-        if cell.multi_worker:
-            model, optimizer = train_horovod(cell, initial, x, y, w, sizes)
-        else:
-            model, optimizer = train_mirrored(cell, strategy, initial, x, y, w)
+            expected, expected_optimizer = train_one_device()
     finally:
         keras.config.set_dtype_policy("float32")
     weights = _flat(model.get_weights())
@@ -256,6 +264,18 @@ def run(cell: Cell, strategy=None, reference: bool = True) -> dict:
                       reference_iterations=_iterations(expected_optimizer),
                       reference_loss_scale=_loss_scale(expected_optimizer))
     return record
+
+
+class FailsOnOneDeviceToo(Exception):
+    """The cell's training fails on one device as well: Keras' own limit, not the distribution's."""
+
+
+def _fails_on_one_device_too(train_one_device, error: Exception) -> None:
+    """Raises ``FailsOnOneDeviceToo`` (naming ``error``) when one device fails too; returns otherwise."""
+    try:
+        train_one_device()
+    except Exception as alone:  # noqa: BLE001
+        raise FailsOnOneDeviceToo(f"{type(alone).__name__} on one device too: {alone}") from error
 
 
 def _flat(weights) -> np.ndarray:

@@ -159,15 +159,26 @@ class Verdict:
     detail: str
 
 
+def _last_line(error: str) -> str:
+    """An error in one line: the last line that names an exception (TensorFlow's "in user code:" ends with
+    the cause) and the line after it."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m|\[[0-9;]*m", "", line).strip() for line in error.splitlines()]
+    lines = [line for line in lines if line]
+    named = [i for i, line in enumerate(lines) if re.match(r"[A-Z]\w*(Error|Exception|Exit)\b.*:", line)]
+    if not named:
+        return " ".join(lines)[:240]
+    return " ".join(lines[named[-1]:named[-1] + 2])[:240]
+
+
 def judge(cell: Cell, per_rank: dict[int, dict]) -> Verdict:
     """The verdict on ``cell`` from each rank's record (``equivalence_job`` writes them)."""
     expected = expected_error(cell)
     records = [per_rank[r] for r in sorted(per_rank)]
-    problems = [f"rank {r}: {rec['status']}: {rec.get('error', '')}".strip() for r, rec in sorted(per_rank.items())
+    problems = [f"rank {r}: {rec['status']}: {_last_line(rec.get('error', ''))}" for r, rec in sorted(per_rank.items())
                 if rec["status"] != "ok"]
     if expected is not None:
         if records and all(rec["status"] == "error" and re.search(expected, rec["error"]) for rec in records):
-            return Verdict(cell, "error by design", records[0]["error"].splitlines()[0][:160])
+            return Verdict(cell, "error by design", _last_line(records[0]["error"]))
         return Verdict(cell, "fail", f"expected an error matching {expected!r}; got " +
                        ("; ".join(problems) or "a finished training"))
     if problems:
