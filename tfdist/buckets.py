@@ -80,16 +80,34 @@ def bucket_sizes() -> tuple[int, int]:
 
 
 def plan(sizes: Sequence[int], bucket_bytes: int | None = None,
-         first_bucket_bytes: int | None = None) -> list[list[int]]:
+         first_bucket_bytes: int | None = None, kinds: Sequence | None = None) -> list[list[int]]:
     """Indices of ``sizes`` (bytes per gradient, in variable order) grouped into buckets, in launch order.
 
     Buckets run from the last gradient to the first; each bucket's indices are ascending.
     With ``bucket_bytes`` 0 there is one bucket of every index. Defaults: ``bucket_sizes()``.
+    ``kinds`` (e.g. each gradient's dtype) keeps gradients of different kinds in different
+    buckets: one all-reduce concatenates its tensors, so a bucket holds one dtype. Each kind
+    is planned on its own; the buckets launch by their last index, last first.
     """
     if bucket_bytes is None:
         bucket_bytes, first_bucket_bytes = bucket_sizes()
     if first_bucket_bytes is None:
         first_bucket_bytes = min(DEFAULT_FIRST_BUCKET_BYTES, bucket_bytes)
+    kinds = [None] * len(sizes) if kinds is None else list(kinds)
+    buckets = []
+    for kind in dict.fromkeys(kinds):  # each kind once, in order of first appearance
+        indices = [i for i, k in enumerate(kinds) if k == kind]
+        buckets += [[indices[i] for i in bucket]
+                    for bucket in _plan_one_kind([sizes[i] for i in indices], bucket_bytes, first_bucket_bytes)]
+    return sorted(buckets, key=max, reverse=True)
+
+
+def plan_tensors(tensors: Sequence) -> list[list[int]]:
+    """``plan`` for tensors (or ``tf.IndexedSlices``): their sizes, one dtype per bucket, this process's settings."""
+    return plan([nbytes(t) for t in tensors], kinds=[t.dtype for t in tensors])
+
+
+def _plan_one_kind(sizes: Sequence[int], bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
     if bucket_bytes == 0 or not sizes:
         return [list(range(len(sizes)))] if sizes else []
     buckets, current, filled, limit = [], [], 0, first_bucket_bytes

@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.optimizers.multi_optimizer import MultiOptimizer
 
 from tfdist import buckets, patching, process_group
 from tfdist.patching import Patch
@@ -33,7 +34,7 @@ patch = Patch(
 
 @patch.replaces(TFOptimizer, "_all_reduce_sum_gradients", ("self", "grads_and_vars"))
 def _all_reduce_in_buckets(original, self, grads_and_vars):
-    """The summed gradients, all-reduced bucket by bucket; Keras' own path with one replica or one bucket."""
+    """The summed gradients, all-reduced bucket by bucket (one dtype per bucket); Keras' own path with one replica."""
     context = tf.distribute.get_replica_context()
     grads_and_vars = list(grads_and_vars)
     if already_reduced(self):
@@ -44,16 +45,27 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
     strategy = tf.distribute.get_strategy()
     if process_group.is_multi_worker(strategy):
         buckets.check_agreement(process_group.for_strategy(strategy))
-    plan = buckets.plan([buckets.nbytes(grads_and_vars[i][0]) for i in present])
-    if len(plan) <= 1:
-        return original(self, grads_and_vars)
+    gradients = [_dense(grads_and_vars[i][0]) for i in present]
     result = list(grads_and_vars)
-    for bucket in plan:
-        indices = [present[i] for i in bucket]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads_and_vars[i][0] for i in indices])
-        for i, gradient in zip(indices, reduced):
-            result[i] = (gradient, grads_and_vars[i][1])
+    for bucket in buckets.plan_tensors(gradients):
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [gradients[i] for i in bucket])
+        for i, gradient in zip(bucket, reduced):
+            result[present[i]] = (gradient, grads_and_vars[present[i]][1])
     return result
+
+
+def _dense(gradient):
+    """A sparse gradient (``tf.IndexedSlices``, an ``Embedding``'s) as a dense tensor of its variable's shape.
+
+    TensorFlow all-reduces IndexedSlices by all-gathering their rows, a collective whose shape
+    is the step's row count. Inside one function call that runs several steps
+    (``steps_per_execution``, a ``tf.range`` loop) a step with fewer rows (the last, partial
+    batch) meets the shape the first step recorded for that collective and fails ("Shape
+    mismatch in the collective instance"). Dense, the shape is the variable's on every step,
+    and the gradient joins a bucket like any other (Horovod's ``sparse_as_dense``). The sum
+    is the one device's: rows not in the batch add zeros.
+    """
+    return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
 
 
 @patch.replaces(LossScaleOptimizer, "_tf_apply", ("self", "grads", "trainable_variables"))
@@ -70,8 +82,8 @@ def _reduce_before_the_finite_check(original, self, grads, trainable_variables=N
     """
     inner = self.inner_optimizer
     context = tf.distribute.get_replica_context()
-    if (context is None or context.num_replicas_in_sync <= 1 or inner.gradient_accumulation_steps
-            or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
+    if (context is None or context.num_replicas_in_sync <= 1
+            or any(o.gradient_accumulation_steps for o in _applying(inner)) or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
         return original(self, grads, trainable_variables)
     variables = trainable_variables or self._trainable_variables
     reduced = [g for g, _ in inner._all_reduce_sum_gradients(list(zip(grads, variables)))]
@@ -116,9 +128,21 @@ def already_reduced(optimizer) -> bool:
 
 @contextlib.contextmanager
 def _reduced(optimizer):
-    """Marks the gradients ``optimizer`` is about to apply as all-reduced (replicas may nest: a count)."""
-    optimizer._tfdist_reduced_depth = getattr(optimizer, "_tfdist_reduced_depth", 0) + 1
+    """Marks the gradients ``optimizer`` is about to apply as all-reduced (replicas may nest: a count).
+
+    The mark goes on every optimizer the gradients reach: a ``MultiOptimizer`` hands them to
+    its inner optimizers, whose own all-reduce would otherwise sum the sums again.
+    """
+    marked = _applying(optimizer)
+    for each in marked:
+        each._tfdist_reduced_depth = getattr(each, "_tfdist_reduced_depth", 0) + 1
     try:
         yield
     finally:
-        optimizer._tfdist_reduced_depth -= 1
+        for each in marked:
+            each._tfdist_reduced_depth -= 1
+
+
+def _applying(optimizer) -> list:
+    """``optimizer`` and the optimizers it hands its gradients to (a ``MultiOptimizer``'s inner ones)."""
+    return [optimizer, *optimizer.optimizers] if isinstance(optimizer, MultiOptimizer) else [optimizer]
