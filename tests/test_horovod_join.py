@@ -1,4 +1,4 @@
-"""``hvd.join()`` with uneven data on 2 real ranks, checked against NumPy; ``hvd.SyncBatchNormalization``."""
+"""2 real Horovod-style ranks with uneven data: ``hvd.join()``, one-rank retraces, ``hvd.SyncBatchNormalization``."""
 
 import keras
 import numpy as np
@@ -13,14 +13,19 @@ def job(tmp_path_factory):
     return run_job("horovod_join_job.py", tmp_path_factory.mktemp("join"), timeout=240).check()
 
 
+def assert_equal_on_both_ranks(job, key: str, expected: list) -> None:
+    """Both ranks' ``key`` weights are equal, and equal ``expected`` within float rounding."""
+    first, second = job.results[0][key], job.results[1][key]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    for got, want in zip(first, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def assert_joined(job, run: str, data: list, last: int) -> None:
     """Both ranks' weights of ``run`` are equal, equal NumPy's join average of ``data``, and agree on the last rank."""
-    first, second = job.results[0], job.results[1]
-    for a, b in zip(first[f"{run}_weights"], second[f"{run}_weights"]):
-        np.testing.assert_array_equal(a, b)
-    for got, expected in zip(first[f"{run}_weights"], common.join_by_hand(data)):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    assert first[f"{run}_last"] == second[f"{run}_last"] == last
+    assert_equal_on_both_ranks(job, f"{run}_weights", common.join_by_hand(data))
+    assert job.results[0][f"{run}_last"] == job.results[1][f"{run}_last"] == last
 
 
 def test_fit_with_fewer_batches_on_rank_1_joins_with_horovods_average(job):
@@ -49,3 +54,29 @@ def test_sync_batch_normalization_refuses_fused():
     with pytest.raises(ValueError, match=r"SyncBatchNormalization does not support fused=True: pass fused=False"):
         hvd.SyncBatchNormalization(fused=True)
     assert hvd.SyncBatchNormalization(momentum=0.9, epsilon=1e-3).get_config()["momentum"] == 0.9
+
+
+def test_eager_distributed_gradient_tape_loop_joins(job):
+    assert_joined(job, "eager", [common.join_data(8, 2), common.join_data(9, 4)], last=1)
+
+
+def test_tape_made_inside_a_tf_function_survives_one_rank_retracing_for_a_partial_batch(job):
+    x, y = common.join_data(6, 3)  # rank 0 trains on 10 rows: batches of 4, 4 and 2
+    assert_equal_on_both_ranks(job, "retrace_weights", common.join_by_hand([(x[:10], y[:10]), common.join_data(7, 3)]))
+
+
+def test_sparse_gradients_survive_one_rank_retracing_for_a_partial_batch(job):
+    batch = common.JOIN_BATCH
+    per_rank = [[(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+                for x, y in (common.embedding_data(0, 10), common.embedding_data(1, 12))]
+    assert_equal_on_both_ranks(job, "sparse_weights", common.mean_of_gradients(common.embedding_model(), per_rank))
+
+
+def test_gradient_buckets_do_not_wait_for_sync_batch_normalizations_backward_all_reduce(job):
+    """The layer's collectives run in their own lane: the first bucket (last layers) starts before the backward
+    pass reaches the layer; the bucket holding the layer before it waits, as its data needs."""
+    lane = job.results[0]["sync_bn_lane"]
+    assert lane["buckets"] >= 2 and lane["layer_collectives"] == 2, lane
+    assert not lane["first_bucket_waits"] and lane["last_bucket_waits"], lane
+    for a, b in zip(job.results[0]["sync_bn_lane_weights"], job.results[1]["sync_bn_lane_weights"]):
+        np.testing.assert_array_equal(a, b)

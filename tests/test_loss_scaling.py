@@ -136,3 +136,35 @@ def test_wrap_optimizer_composes_with_distributed_optimizer(mirrored):
     assert int(optimizer.iterations.numpy()) == 1  # 2 micro-batches, 1 update
     for weight in model.get_weights():  # mse gradient -2 at zero weights
         np.testing.assert_allclose(weight, 0.2, rtol=1e-6)
+
+
+def test_fp16_wire_skips_only_the_steps_one_device_skips(mirrored):
+    """Scaled gradients of 3 * 2**15 = 98304 overflow float16 (65504); tfdist sends them unscaled, so no step is lost.
+
+    One device, gradient [6, 2]; two replicas, [3, 1] each (the same global batch), all-reduced in float16.
+    """
+    def train(strategy, compression):
+        with strategy.scope():
+            variable = keras.Variable(START, name="w")
+            optimizer = keras.optimizers.LossScaleOptimizer(
+                tfdist.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=compression), initial_scale=2.0**15)
+            optimizer.build([variable])
+
+        @tf.function
+        def step():
+            def replica_fn():
+                grad = tf.constant([6.0, 2.0]) / strategy.num_replicas_in_sync * optimizer.dynamic_scale
+                optimizer.apply([grad], [variable])
+            strategy.run(replica_fn)
+
+        for _ in range(3):
+            step()
+        return int(optimizer.inner_optimizer.iterations.numpy()), precision.current_loss_scale(optimizer), \
+            _local(strategy, variable)
+
+    steps, scale, (weights,) = train(tf.distribute.get_strategy(), tfdist.Compression.none)
+    assert (steps, scale) == (3, 2.0**15)  # no step skipped on one device
+    fp16_steps, fp16_scale, replicas = train(mirrored, tfdist.Compression.fp16)
+    assert (fp16_steps, fp16_scale) == (steps, scale)
+    for value in replicas:
+        np.testing.assert_allclose(value, weights, rtol=1e-6)

@@ -14,7 +14,12 @@ group key is fixed per group and device type; instance keys come from a per-grou
 in call order: one per eager call, and one per call site each time a ``tf.function`` is
 traced (the trace reuses it every step). So every rank must make the same collective calls
 in the same order, as with Horovod. A ``KeyCache`` keeps the keys of a caller that reduces
-the same tensors every step (an optimizer's gradients) stable across retraces.
+the same tensors every step (an optimizer's gradients, the gathers of its sparse gradients)
+stable across retraces: a rank that alone traces a step again (its partial last batch has
+another shape) must not take new keys, or its collectives and every later one would miss the
+other ranks'. A caller made anew in each trace (a ``DistributedGradientTape`` created inside
+the step) gets its caches from ``trace_key_caches``, by a name every rank computes alike.
+Eager calls take fresh keys, in call order, cached or not.
 
 Checks. In eager code every call first gathers each rank's call, shapes and dtypes, and
 raises ``CollectiveMismatchError`` on every rank when they differ (TensorFlow alone fails
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 import zlib
 from typing import Any, Sequence
 
@@ -40,8 +46,11 @@ from tfdist.errors import CollectiveMismatchError
 REDUCE_OPS = ("mean", "sum", "min", "max", "product")
 _MERGE_OPS = {"sum": "Add", "mean": "Add", "min": "Min", "max": "Max", "product": "Mul"}
 _KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "barrier")
-# Far above the small keys tf.distribute strategies count up from.
+# Far above the small keys tf.distribute strategies count up from. A group's key lies in
+# [_GROUP_KEY_BASE, _GROUP_KEY_BASE + _LANE_STRIDE); its lanes' keys above, one stride each.
 _GROUP_KEY_BASE = 1 << 29
+_LANE_STRIDE = 1 << 21
+_MAX_LANES = 63
 _INSTANCE_KEY_BASE = 1 << 30
 _SIGNATURE_DIMS = 8
 
@@ -66,6 +75,24 @@ class KeyCache:
         return self._keys[full]
 
 
+# name -> occurrence -> {number: KeyCache}: the caches of callers made anew in every trace.
+_trace_caches: dict[tuple, dict[int, KeyCache]] = {}
+_trace_counts: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def trace_key_caches(name: tuple) -> dict[int, KeyCache]:
+    """The key caches of the next caller called ``name`` in the function being traced, the same in each trace.
+
+    For a caller made anew in every trace (a ``DistributedGradientTape`` created inside the
+    step): ``name`` (its options, its gradients' shapes and dtypes) must read the same on
+    every rank; the n-th caller of a name in one trace gets the n-th caches, so two in one
+    step never share a key. The caller keeps its own ``KeyCache`` per number (its buckets).
+    """
+    counts = _trace_counts.setdefault(tf.compat.v1.get_default_graph(), {})
+    counts[name] = counts.get(name, -1) + 1
+    return _trace_caches.setdefault((name, counts[name]), {})
+
+
 class ProcessGroup:
     """Some (usually all) of the job's worker processes, as one collective group.
 
@@ -81,10 +108,11 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self._timeout = float(timeout or 0)
         self._hint = hint.lower()
-        self.group_key_base = _GROUP_KEY_BASE + 2 * (zlib.crc32(repr(self.ranks).encode()) % (1 << 20))
+        self.group_key_base = _GROUP_KEY_BASE + 2 * (zlib.crc32(repr(self.ranks).encode()) % (_LANE_STRIDE // 2))
         self._counter = itertools.count(_INSTANCE_KEY_BASE)
         self._lock = threading.Lock()
         self._tokens: dict[str, tf.Variable] = {}
+        self._lanes: dict[int, "ProcessGroup"] = {}
 
     def __repr__(self) -> str:
         return f"ProcessGroup(ranks={list(self.ranks)}, rank={self.rank})"
@@ -93,6 +121,25 @@ class ProcessGroup:
         """A group of some of this group's job ranks, with the same timeout and transport."""
         return ProcessGroup(job_ranks, self.ranks[self.rank] if self.rank is not None else -1,
                             self._timeout, self._hint)
+
+    def lane(self, number: int) -> "ProcessGroup":
+        """The same ranks on a group key and ordering token of their own (``number`` 1 to 63).
+
+        Inside a tf.function this group's collectives run in program order, each after the
+        one before (the ordering token); a lane's collectives are ordered among themselves
+        only. A layer whose collectives sit in the backward pass (SyncBatchNormalization)
+        uses a lane, so the gradient all-reduces created after the backward pass do not
+        wait for them. Instance keys come from this group's counter.
+        """
+        if not (isinstance(number, int) and 1 <= number <= _MAX_LANES):
+            raise ValueError(f"lane number must be an int from 1 to {_MAX_LANES}; received {number!r}.")
+        if number not in self._lanes:
+            lane = ProcessGroup.__new__(ProcessGroup)
+            lane.__dict__.update(self.__dict__)  # same ranks, timeout, transport, key counter and lock
+            lane.group_key_base = self.group_key_base + number * _LANE_STRIDE
+            lane._tokens, lane._lanes = {}, {}
+            self._lanes[number] = lane
+        return self._lanes[number]
 
     def new_instance_key(self) -> int:
         """The next instance key of this group (every rank allocates in the same order)."""
@@ -139,7 +186,7 @@ class ProcessGroup:
         results: list = [None] * len(tensors)
         for i, tensor in enumerate(tensors):
             if isinstance(tensor, tf.IndexedSlices):
-                results[i] = self._reduce_sparse(tensor, op, prescale_factor * postscale_factor)
+                results[i] = self._reduce_sparse(tensor, op, prescale_factor * postscale_factor, keys, ("sparse", i))
         scaled = [_scale(tensors[i], prescale_factor) for i in dense]
         reduced = self._reduce_dense(scaled, op, compression, keys, device)
         for i, tensor in zip(dense, reduced):
@@ -175,7 +222,11 @@ class ProcessGroup:
         The first dimension may differ per rank; the others and the dtype must match.
         A scalar counts as one row.
         """
-        tensor = tf.convert_to_tensor(tensor)
+        return self._allgather(tf.convert_to_tensor(tensor), device)
+
+    def _allgather(self, tensor: tf.Tensor, device: str | None, keys: KeyCache | None = None,
+                   slot: tuple = ()) -> tf.Tensor:
+        """``allgather``; inside a tf.function its two collectives take their keys from ``keys`` (at ``slot``)."""
         if tensor.shape.rank == 0:
             tensor = tf.reshape(tensor, [1])
         self._check_member("allgather")
@@ -187,10 +238,12 @@ class ProcessGroup:
                 return self._gather(tensor, device)
             lengths = tf.constant(lengths, tf.int32)
         else:
-            lengths = self._gather(tf.shape(tensor, out_type=tf.int32)[:1], device)
+            lengths = self._gather(tf.shape(tensor, out_type=tf.int32)[:1], device,
+                                   self._instance_key(keys, (*slot, "lengths", self._device(device))))
         longest = tf.reduce_max(lengths)
         padding = [[0, longest - tf.shape(tensor, out_type=tf.int32)[0]]] + [[0, 0]] * (tensor.shape.rank - 1)
-        gathered = self._gather(tf.pad(tensor, padding), device)
+        gathered = self._gather(tf.pad(tensor, padding), device,
+                                self._instance_key(keys, (*slot, "rows", self._device(device))))
         return tf.boolean_mask(gathered, tf.reshape(tf.sequence_mask(lengths, longest), [-1]))
 
     def broadcast(self, tensor: Tensorish, root: int, device: str | None = None) -> tf.Tensor:
@@ -306,7 +359,8 @@ class ProcessGroup:
         return self.group_key_base + (1 if self._device(device).endswith("GPU:0") else 0)
 
     def _instance_key(self, keys: KeyCache | None, slot: tuple) -> int:
-        if keys is None or any(part is None for part in slot):
+        """A key from ``keys`` inside a tf.function; a fresh one eagerly (every rank calls in the same order)."""
+        if keys is None or tf.executing_eagerly() or any(part is None for part in slot):
             return self.new_instance_key()
         return keys.key(self, slot)
 
@@ -329,25 +383,28 @@ class ProcessGroup:
                 results[i] = compression.decompress(value, contexts[i])
         return results
 
-    def _reduce_sparse(self, tensor: tf.IndexedSlices, op: str, scale: float) -> tf.IndexedSlices:
+    def _reduce_sparse(self, tensor: tf.IndexedSlices, op: str, scale: float, keys: KeyCache | None,
+                       slot: tuple) -> tf.IndexedSlices:
         if op not in ("sum", "mean"):
             raise ValueError(f"allreduce of tf.IndexedSlices gathers them, so only op 'sum' and 'mean' apply; "
                              f"received op={op!r}. Densify the gradient (sparse_as_dense=True) for other ops.")
-        values = self.allgather(tensor.values)
+        values = self._allgather(tensor.values, None, keys, (*slot, "values"))
+        indices = self._allgather(tensor.indices, None, keys, (*slot, "indices"))
         values = _scale(_divide(values, self.size) if op == "mean" else values, scale)
-        return tf.IndexedSlices(values, self.allgather(tensor.indices), dense_shape=tensor.dense_shape)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
-    def _gather(self, tensor: tf.Tensor, device) -> tf.Tensor:
-        return self._exchange(collective_ops.all_gather_v2, tensor, device)
+    def _gather(self, tensor: tf.Tensor, device, key: int | None = None) -> tf.Tensor:
+        return self._exchange(collective_ops.all_gather_v2, tensor, device, key)
 
     def _all_to_all(self, tensor: tf.Tensor, device) -> tf.Tensor:
         return self._exchange(collective_ops.all_to_all_v2, tensor, device)
 
-    def _exchange(self, collective, tensor: tf.Tensor, device) -> tf.Tensor:
+    def _exchange(self, collective, tensor: tf.Tensor, device, key: int | None = None) -> tf.Tensor:
         """``collective`` (all_gather_v2 or all_to_all_v2) of ``tensor``, sent as a dtype TF's collectives carry."""
         wire = fusion.wire_dtype(tensor.dtype)
         with tf.device(self._device(device)):
-            out = collective(tf.cast(tensor, wire), self.size, self._group_key(device), self.new_instance_key(),
+            out = collective(tf.cast(tensor, wire), self.size, self._group_key(device),
+                             self.new_instance_key() if key is None else key,
                              self._hint, self._timeout, ordering_token=self._token(device))
         return tf.cast(out, tensor.dtype)
 

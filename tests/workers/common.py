@@ -168,17 +168,17 @@ def join_data(seed: int, batches: int):
 
 
 def join_by_hand(datasets, lr: float = JOIN_LR):
-    """SGD on a linear model with Horovod's join: a rank out of batches adds zeros; the mean divides by all ranks."""
+    """SGD on a linear model, Horovod's mean of each rank's gradient; a rank out of batches adds zeros (join)."""
     kernel, bias = (w.astype("float64") for w in join_start())
-    for step in range(max(len(x) for x, _ in datasets) // JOIN_BATCH):
+    for step in range(-(-max(len(x) for x, _ in datasets) // JOIN_BATCH)):
         grads = []
         for x, y in datasets:
             rows = slice(step * JOIN_BATCH, (step + 1) * JOIN_BATCH)
             if rows.start >= len(x):
                 grads.append((np.zeros_like(kernel), np.zeros_like(bias)))
                 continue
-            error = x[rows] @ kernel + bias - y[rows]
-            grads.append((2 * x[rows].T @ error / JOIN_BATCH, 2 * error.mean(0)))
+            error = x[rows] @ kernel + bias - y[rows]  # a partial last batch: the mean over its own rows
+            grads.append((2 * x[rows].T @ error / len(error), 2 * error.mean(0)))
         kernel = kernel - lr * sum(g[0] for g in grads) / len(datasets)
         bias = bias - lr * sum(g[1] for g in grads) / len(datasets)
     return [kernel, bias]
@@ -200,3 +200,55 @@ def sync_bn_model(batch_norm):
     weights[-2:] = [np.array([[0.3], [-0.2], [0.4]], "float32"), np.zeros(1, "float32")]
     model.set_weights(weights)
     return model
+
+
+def embedding_model():
+    """Embedding(8, 2) -> mean over the sequence -> Dense(1), fixed weights (sparse gradients for the table)."""
+    import keras
+
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(8, 2),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    rng = np.random.default_rng(7)
+    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+    return model
+
+
+def embedding_data(seed: int, rows: int):
+    """``rows`` sequences of 3 token ids in [0, 8) and a target each."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 8, size=(rows, 3)).astype("int32"), rng.normal(size=(rows, 1)).astype("float32")
+
+
+def mean_of_gradients(model, rank_batches, lr: float = JOIN_LR) -> list:
+    """Plain SGD on ``model`` in one process: each step applies the mean of the ranks' mean-squared-error gradients.
+
+    ``rank_batches[rank]`` is that rank's list of (x, y) batches; all ranks have as many.
+    """
+    import tensorflow as tf
+
+    for step in zip(*rank_batches):
+        total = [tf.zeros_like(v) for v in model.trainable_variables]
+        for x, y in step:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            total = [t + tf.convert_to_tensor(g) for t, g in zip(total, grads)]
+        for variable, gradient in zip(model.trainable_variables, total):
+            variable.assign_sub(lr * gradient / len(step))
+    return [w for w in model.get_weights()]
+
+
+def collectives_waited_for(graph) -> dict:
+    """Each collective op of a traced ``graph``, in creation order -> the collectives it waits for (data or control)."""
+    collectives = [op for op in graph.get_operations() if op.type.startswith("Collective")]
+    waits = {}
+    for op in collectives:
+        seen, stack = set(), [op]
+        while stack:
+            current = stack.pop()
+            for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+                if parent.name not in seen:
+                    seen.add(parent.name)
+                    stack.append(parent)
+        waits[op] = [other for other in collectives if other.name in seen]
+    return waits

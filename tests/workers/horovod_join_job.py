@@ -1,6 +1,10 @@
-"""2 Horovod-style ranks with uneven data: ``hvd.join()`` after fit and after a tf.function loop; SyncBatchNormalization.
+"""2 Horovod-style ranks with uneven data.
 
-argv: OUT_DIR. Every rank starts from the same weights (``join_start``), so no broadcast is needed.
+``hvd.join()`` after fit, after a tf.function loop and after an eager loop; SyncBatchNormalization;
+tf.function steps that rank 0 alone retraces for its partial last batch (a DistributedGradientTape
+made inside the function; an Embedding's sparse gradients); which all-reduces wait for SyncBatchNormalization's.
+
+argv: OUT_DIR. Every rank starts from the same weights, so no broadcast is needed before training.
 """
 
 import sys
@@ -9,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tfdist
 import tfdist.horovod as hvd
 from tests.workers import common
 
@@ -55,7 +60,21 @@ payload["loop_weights_at_join"] = [w.tolist() for w in model.get_weights()]
 hvd.broadcast_variables(model.variables, root_rank=last)  # Horovod's way: the last rank to join has every update
 payload["loop_weights"] = [w.tolist() for w in model.get_weights()]
 
-# 3. SyncBatchNormalization: each rank half of every global batch.
+# 3. An eager DistributedGradientTape loop; rank 1 has more batches, rank 0 joins first.
+x, y = common.join_data(r + 8, (2, 4)[r])
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+for i in range((2, 4)[r]):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+                                        - y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH]))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+payload["eager_last"] = last = int(hvd.join().numpy())
+hvd.broadcast_variables(model.variables, root_rank=last)
+payload["eager_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 4. SyncBatchNormalization: each rank half of every global batch.
 x, y = common.sync_bn_data()
 half = len(x) // 2
 mine = np.concatenate([x[i:i + 16][r * 8:(r + 1) * 8] for i in range(0, len(x), 16)])
@@ -64,4 +83,74 @@ model = common.sync_bn_model(hvd.SyncBatchNormalization(momentum=0.5))
 model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
 history = model.fit(mine, mine_y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 payload["sync_bn_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 5. A tf.function step with the DistributedGradientTape made inside it; rank 0's last batch is partial,
+# so rank 0 alone traces the step again (its collectives must keep their keys).
+x, y = common.join_data(r + 6, 3)
+x, y = (x[:10], y[:10]) if r == 0 else (x, y)
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+
+
+@tf.function
+def tape_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+for i in range(0, len(x), common.JOIN_BATCH):
+    tape_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+payload["retrace_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 6. The same with an Embedding (sparse gradients, all-gathered) and a DistributedOptimizer.
+x, y = common.embedding_data(r, 10 if r == 0 else 12)
+model = common.embedding_model()
+optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(common.JOIN_LR))
+
+
+@tf.function
+def sparse_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+for i in range(0, len(x), common.JOIN_BATCH):
+    sparse_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+payload["sparse_weights"] = [w.tolist() for w in model.get_weights()]
+
+
+# 7. SyncBatchNormalization between Dense layers, gradients in small buckets: the first bucket (the last
+# layers' gradients) must not wait for the layer's backward all-reduce, which the backward pass reaches later.
+tfdist.set_bucket_bytes(64, 64)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5), hvd.SyncBatchNormalization(momentum=0.5),
+                          keras.layers.Dense(3), keras.layers.Dense(1)])
+rng = np.random.default_rng(3)
+model.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in model.get_weights()])
+optimizer = keras.optimizers.SGD(0.1)
+
+
+@tf.function
+def bn_step(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+x, y = common.sync_bn_data()
+x, y = x[r * 8:(r + 1) * 8], y[r * 8:(r + 1) * 8]
+waits = common.collectives_waited_for(bn_step.get_concrete_function(x, y).graph)
+bn_step(x, y)
+group_key = {op: int(tf.get_static_value(op.inputs[2])) for op in waits}
+last = list(waits)[-1]  # a gradient bucket's all-reduce
+buckets = [op for op in waits if group_key[op] == group_key[last]]
+lane = [op for op in waits if group_key[op] != group_key[last]]  # the layer's own: forward, then backward
+payload["sync_bn_lane"] = {"buckets": len(buckets), "layer_collectives": len(lane)}
+if len(lane) == 2:
+    payload["sync_bn_lane"].update(first_bucket_waits=lane[1] in waits[buckets[0]],
+                                   last_bucket_waits=lane[1] in waits[buckets[-1]])
+payload["sync_bn_lane_weights"] = [w.tolist() for w in model.get_weights()]
 common.write_result(out_dir, payload)

@@ -61,6 +61,8 @@ class GradientReduction:
         aggregation_scale: multiplies the result (``backward_passes_per_step`` summed,
             not averaged, as Horovod does by default).
         groups: Horovod's explicit fusion groups (accepted; gradients are fused by dtype).
+        per_tape: made for one tape (created anew every step or trace): its collective keys
+            and its ``hvd.join()`` stand-in go by ``name``, which every rank computes alike.
 
     Raises:
         ValueError: Adasum or an unknown op, a predivide factor with op != Average, bad groups.
@@ -69,7 +71,7 @@ class GradientReduction:
 
     def __init__(self, op: str = Average, compression=Compression.none, sparse_as_dense: bool = False,
                  gradient_predivide_factor: float = 1.0, process_set=global_process_set,
-                 aggregation_scale: float = 1.0, groups: Any = None):
+                 aggregation_scale: float = 1.0, groups: Any = None, per_tape: bool = False):
         self.op = check_op(op, allowed=(Average, Sum))
         if gradient_predivide_factor != 1.0 and self.op != Average:
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=hvd.Average "
@@ -86,6 +88,8 @@ class GradientReduction:
         self.postscale = gradient_predivide_factor * aggregation_scale
         self.process_set = process_set
         self.keys: dict[int, process_group.KeyCache] = {}  # per bucket
+        self.per_tape = per_tape
+        self.name: tuple = ()
         self._flag_keys = process_group.KeyCache()
         self._signature: list = []  # (shape, dtype) of the gradients of the last step, for hvd.join()
         self._sparse = self._finite_checked = self._eager = False
@@ -95,11 +99,14 @@ class GradientReduction:
 
     def reduce(self, gradients: list) -> list:
         """The gradients combined across the process set; None entries stay None."""
-        join_lib.record(self)
         present = [i for i, g in enumerate(gradients) if g is not None]
         tensors = [gradients[i] for i in present]
         if self.sparse_as_dense:
             tensors = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in tensors]
+        self.name = self._name(tensors)
+        if self.per_tape and not tf.executing_eagerly():
+            self.keys = process_group.trace_key_caches(self.name)  # the same keys in every trace of the step
+        join_lib.record(self)
         self._sparse = self._sparse or any(isinstance(t, tf.IndexedSlices) for t in tensors)
         self._signature = [(t.shape, t.dtype) for t in tensors]
         self._eager = tf.executing_eagerly()
@@ -109,6 +116,15 @@ class GradientReduction:
         for i, value in zip(present, reduced):
             result[i] = value
         return result
+
+    def _name(self, tensors: list) -> tuple:
+        """What this reduction does, the same on every rank: options and gradient shapes (a tape's), or its id."""
+        if not self.per_tape:
+            return ("optimizer", id(self))
+        shapes = tuple((("rows", *t.values.shape[1:]) if isinstance(t, tf.IndexedSlices) else tuple(t.shape),
+                        t.dtype.name) for t in tensors)
+        compression = getattr(self.compression, "__name__", type(self.compression).__name__)
+        return ("tape", tuple(self.process_set.ranks), self.op, self.prescale, self.postscale, compression, shapes)
 
     def _reduce(self, tensors: list, joined: float) -> tuple[list, tf.Tensor | None]:
         """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count."""
@@ -315,7 +331,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     tape = object.__new__(_tape_classes[base])
     tape.__dict__.update(gradtape.__dict__)
     tape._tfdist_reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor,
-                                               process_set, groups=_groups(groups, num_groups))
+                                               process_set, groups=_groups(groups, num_groups), per_tape=True)
     return tape
 
 

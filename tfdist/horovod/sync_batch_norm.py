@@ -5,7 +5,9 @@ Under a tf.distribute strategy (``tfdist.scope()``) it is Keras' own
 ``tfdist.horovod`` (each process its own model, no strategy) it all-reduces each process's
 sum, sum of squares and count in training, so the statistics are the global batch's; the
 all-reduce has a gradient (the upstream gradients, all-reduced), so training matches one
-process on the global batch.
+process on the global batch. Its collectives run in a lane of their own
+(``ProcessGroup.lane``): in the process group's program order, the backward all-reduce
+would come before every gradient bucket and hold back the buckets ready before it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tensorflow as tf
 
 from tfdist import process_group
 
+_LANE = 1  # the process group lane of the layer's collectives
 
 @keras.saving.register_keras_serializable(package="tfdist.horovod")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -61,7 +64,7 @@ def _process_group():
         return None
     if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
         return None  # Keras' synchronized path already reduced over the strategy's replicas
-    return basics.group_of(basics.global_process_set, "SyncBatchNormalization")
+    return basics.group_of(basics.global_process_set, "SyncBatchNormalization").lane(_LANE)
 
 
 def _differentiable_sum(group, tensor: tf.Tensor, keys: tuple) -> tf.Tensor:

@@ -27,31 +27,32 @@ from tensorflow.python.ops import resource_variable_ops
 
 JOINED, ACTIVE = 1.0, 0.0
 
-# Every GradientReduction that reduced gradients in this process, in order of first use. Strong
-# references: a DistributedGradientTape's reduction lives on a tape that is gone after tracing,
-# while the traced step goes on running its all-reduce.
-_used: list = []
+# The latest GradientReduction of each name (``GradientReduction.name``) that reduced gradients in this
+# process, in order of first use, and the step counter of each name. Strong references: a
+# DistributedGradientTape's reduction lives on a tape that is gone after tracing, while the traced step
+# goes on running its all-reduce. A tape made anew every step (eagerly) or every trace keeps its name,
+# so join stands in once per step for it, not once per tape ever made.
+_used: dict[tuple, object] = {}
+_steps: dict[tuple, list] = {}  # name -> [step counter variable, its value at the last join]
 
 
 def record(reduction) -> None:
     """Notes that ``reduction`` reduces gradients every step (``join`` repeats its all-reduce)."""
-    if not any(known is reduction for known in _used):
-        _used.append(reduction)
+    _used[reduction.name] = reduction
 
 
 def count_step(reduction) -> None:
     """Counts the reduction's all-reduces at run time (inside a tf.function too), so ``join`` knows which ran."""
-    if getattr(reduction, "_join_steps", None) is None:
+    if reduction.name not in _steps:
         with tf.init_scope():
-            reduction._join_steps = resource_variable_ops.ResourceVariable(0, dtype=tf.int64, trainable=False,
-                                                                           name="tfdist_join_steps")
-            reduction._join_seen = 0
-    reduction._join_steps.assign_add(1)
+            _steps[reduction.name] = [resource_variable_ops.ResourceVariable(
+                0, dtype=tf.int64, trainable=False, name="tfdist_join_steps"), 0]
+    _steps[reduction.name][0].assign_add(1)
 
 
 def used_reductions() -> list:
     """The live reductions that ran since the last ``join``, in order of first use."""
-    return [r for r in _used if int(r._join_steps.numpy()) > r._join_seen]
+    return [_used[name] for name, (steps, seen) in _steps.items() if int(steps.numpy()) > seen]
 
 
 def join(group) -> int:
@@ -71,8 +72,8 @@ def join(group) -> int:
             counts = [int(round(float(reduction.stand_in()))) for reduction in reductions]
             if counts[0] >= group.size:
                 break
-    for reduction in reductions:
-        reduction._join_seen = int(reduction._join_steps.numpy())
+    for counter in _steps.values():
+        counter[1] = int(counter[0].numpy())
     # The ranks that stood in for the fewest rounds joined last; among those, the highest (Horovod's order).
     everyone = group.allgather(tf.constant([rounds], tf.int64)).numpy()
     last = np.flatnonzero(everyone == everyone.min())

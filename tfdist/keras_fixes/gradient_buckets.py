@@ -25,6 +25,7 @@ from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.optimizers.multi_optimizer import MultiOptimizer
 
 from tfdist import buckets, patching, process_group
+from tfdist import compression as compression_lib
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -86,7 +87,13 @@ def _reduce_before_the_finite_check(original, self, grads, trainable_variables=N
             or any(o.gradient_accumulation_steps for o in _applying(inner)) or getattr(inner, "_tfdist_reduction", None) is not None or buckets.bucket_sizes()[0] == 0):
         return original(self, grads, trainable_variables)
     variables = trainable_variables or self._trainable_variables
+    # A lossy wire (fp16) carries the gradients unscaled, as after Keras' own unscaling: scaled ones
+    # overflow float16 (65504) where one device's float32 would not, and skip steps it would not.
+    lossy = getattr(inner, "compression", None) not in (None, compression_lib.Compression.none)
+    scale = self.dynamic_scale if lossy else None
+    grads = [g if g is None or scale is None else g / tf.cast(scale, g.dtype) for g in grads]
     reduced = [g for g, _ in inner._all_reduce_sum_gradients(list(zip(grads, variables)))]
+    reduced = [g if g is None or scale is None else g * tf.cast(scale, g.dtype) for g in reduced]
     with _reduced(inner):
         return original(self, reduced, trainable_variables)
 
