@@ -40,8 +40,11 @@ def test_a_bad_cell_name_is_named(name, message):
         Cell.parse(name)
 
 
-def test_the_pairwise_cells_train_like_one_device(tmp_path):
-    verdicts = run.run_cells(matrix.covering(2), tmp_path)
+@pytest.mark.timeout(900)  # about 20-30 cells at a few seconds each; a hung cell costs run.CELL_TIMEOUT
+@pytest.mark.parametrize("multi_worker", [False, True], ids=["one_process", "two_workers"])
+def test_the_pairwise_cells_train_like_one_device(tmp_path, multi_worker):
+    cells = [cell for cell in matrix.covering(2) if cell.multi_worker == multi_worker]
+    verdicts = run.run_group(cells, tmp_path)
     failed = [v for v in verdicts.values() if v.outcome == "fail"]
     assert not failed, run.table(verdicts)
 
@@ -75,3 +78,10 @@ def test_an_error_by_design_must_be_raised_on_every_rank(monkeypatch):
     assert matrix.judge(CELL, {0: error, 1: error}).outcome == "error by design"
     verdict = matrix.judge(CELL, {0: error, 1: _record()})
     assert verdict.outcome == "fail" and "expected an error matching" in verdict.detail
+
+
+def test_a_cell_keras_cannot_train_on_one_device_is_listed_apart():
+    mine = {"status": "error", "error": "FailsOnOneDeviceToo: TypeError on one device too: IndexedSlices / float"}
+    other = {"status": "error", "error": "TypeError: IndexedSlices / float"}
+    assert matrix.judge(CELL, {0: mine, 1: other}).outcome == "one device fails too"
+    assert matrix.judge(CELL, {0: mine, 1: _record()}).outcome == "fail"  # rank 1 trained: not the same failure

@@ -91,13 +91,23 @@ def run_cells(cells: list[Cell], out_dir: pathlib.Path, cell_timeout: float = CE
     return {cell: verdicts[cell] for cell in cells}
 
 
+def judge_records(out_dir: pathlib.Path) -> dict[Cell, Verdict]:
+    """Verdicts on every cell recorded under ``out_dir`` (a past run's ``--out``), without running anything."""
+    verdicts = {}
+    for group in sorted(path for path in out_dir.iterdir() if path.is_dir()):
+        records = _records(group)
+        for name in dict.fromkeys(name for rank in sorted(records) for name in records[rank]):
+            cell = Cell.parse(name)
+            verdicts[cell] = matrix.judge(cell, {r: records[r][name] for r in records if name in records[r]})
+    return verdicts
+
+
 def table(verdicts: dict[Cell, Verdict]) -> str:
     """One line per cell, then the counts."""
     width = max(len(cell.name) for cell in verdicts)
-    lines = [f"{'cell (' + '/'.join(matrix.NAMES) + ')':<{width}}  result           detail"]
-    lines += [f"{cell.name:<{width}}  {v.outcome:<15}  {v.detail}" for cell, v in verdicts.items()]
-    counts = {outcome: sum(v.outcome == outcome for v in verdicts.values())
-              for outcome in ("pass", "fail", "error by design")}
+    lines = [f"{'cell (' + '/'.join(matrix.NAMES) + ')':<{width}}  {'result':<20}  detail"]
+    lines += [f"{cell.name:<{width}}  {v.outcome:<20}  {v.detail}" for cell, v in verdicts.items()]
+    counts = {outcome: sum(v.outcome == outcome for v in verdicts.values()) for outcome in matrix.OUTCOMES}
     lines.append(f"{len(verdicts)} cells: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
     return "\n".join(lines)
 
@@ -109,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     choice.add_argument("--strength", type=int, default=2, help="cover every T values of T dimensions (default 2)")
     choice.add_argument("--cell", action="append", help="run these cells (a name as the table prints it)")
     parser.add_argument("--list", action="store_true", help="print the cells and the exclusions, run nothing")
+    parser.add_argument("--judge", type=pathlib.Path, metavar="OUT",
+                        help="print the table of a past run's records (its --out), run nothing")
     parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT, help="seconds before a cell is a hang")
     parser.add_argument("--out", type=pathlib.Path, help="keep the workers' records here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -121,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         excluded = matrix.excluded_cells()
         reasons = sorted({reason for _, reason in excluded})
         print(f"{len(cells)} cells; {len(excluded)} cells of the full product excluded by rule: " + "; ".join(reasons))
+        return 0
+    if args.judge:
+        print(table(judge_records(args.judge)))
         return 0
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="tfdist-equivalence-"))
     started = time.monotonic()
