@@ -29,7 +29,13 @@ SPLITS = {"even": [(4, 4)] * NUM_BATCHES,
 VOCABULARY = 10
 BUCKETS = {"default": (tfdist.buckets.DEFAULT_BUCKET_BYTES, tfdist.buckets.DEFAULT_FIRST_BUCKET_BYTES),
            "tiny": (64, 64), "0": (0, 0)}
-LOSS_SCALE = 2.0 ** 16  # the explicit LossScaleOptimizer's start: float16 gradients overflow at first
+# The explicit LossScaleOptimizer's start. 2^22 overflows float16 only on the wire (gradients are float32
+# sums there), so one device never skips a step. Under mixed_float16, whether a float16 batch sum overflows
+# depends on how many examples it adds (8 on one device, 4 per replica): which steps skip would depend on the
+# split, so there the scale (and Keras' default 2^15 in fit) stays far below overflow (the small output
+# layer keeps float16 gradients near 100).
+LOSS_SCALE = {"mixed_float16": 2.0 ** 15}
+WIRE_OVERFLOWING_LOSS_SCALE = 2.0 ** 22
 
 
 def make_data(cell: Cell):
@@ -41,7 +47,7 @@ def make_data(cell: Cell):
         x = rng.integers(0, VOCABULARY, size=(total, 2)).astype("int32")
     else:
         x = rng.normal(size=(total, 4)).astype("float32")
-    y = rng.normal(size=(total, 1)).astype("float32")
+    y = rng.normal(scale=0.1, size=(total, 1)).astype("float32")
     w = rng.uniform(0.5, 2.0, size=total).astype("float32") if cell.inputs == "sample_weights" else np.ones(total, "float32")
     return x, y, w, sizes
 
@@ -55,7 +61,8 @@ def build_model(cell: Cell) -> keras.Model:
     hidden = keras.layers.Dense(6, activation="tanh", name="first")(hidden)
     wide = "float64" if cell.precision == "float64_layer" else None
     hidden = keras.layers.Dense(5, activation="tanh", name="wide", dtype=wide)(hidden)
-    outputs = keras.layers.Dense(1, name="out", dtype="float32")(hidden)
+    small = keras.initializers.RandomNormal(stddev=0.05)
+    outputs = keras.layers.Dense(1, name="out", dtype="float32", kernel_initializer=small)(hidden)
     return keras.Model(inputs, outputs)
 
 
@@ -70,12 +77,16 @@ def make_optimizer(cell: Cell) -> keras.optimizers.Optimizer:
     if kind == "multi_optimizer":
         return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(sgd(), {".*first.*": keras.optimizers.Adam(0.01)}))
     if kind == "loss_scale":
-        return keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=LOSS_SCALE)
+        return keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=_initial_scale(cell))
     options = {"sgd_momentum": {}, "clipnorm": {"clipnorm": 0.05}, "clipvalue": {"clipvalue": 0.02},
                "global_clipnorm": {"global_clipnorm": 0.05},
                "use_ema": {"use_ema": True, "ema_momentum": 0.5, "ema_overwrite_frequency": 2},
                "accumulation": {"gradient_accumulation_steps": 2}, "loss_scale_factor": {"loss_scale_factor": 64.0}}
     return sgd(**options[kind])
+
+
+def _initial_scale(cell: Cell) -> float:
+    return LOSS_SCALE.get(cell.precision, WIRE_OVERFLOWING_LOSS_SCALE)
 
 
 def _compression(cell: Cell):
@@ -95,7 +106,7 @@ def distribute_optimizer(cell: Cell, optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return keras.optimizers.LossScaleOptimizer(
             tfdist.DistributedOptimizer(optimizer.inner_optimizer, compression=_compression(cell)),
-            initial_scale=LOSS_SCALE)
+            initial_scale=_initial_scale(cell))
     return tfdist.DistributedOptimizer(optimizer, compression=_compression(cell))
 
 
