@@ -75,22 +75,24 @@ class KeyCache:
         return self._keys[full]
 
 
-# name -> occurrence -> {number: KeyCache}: the caches of callers made anew in every trace.
+# (*name, occurrence) -> {number: KeyCache}: the caches of callers made anew in every trace.
 _trace_caches: dict[tuple, dict[int, KeyCache]] = {}
 _trace_counts: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
-def trace_key_caches(name: tuple) -> dict[int, KeyCache]:
-    """The key caches of the next caller called ``name`` in the function being traced, the same in each trace.
+def trace_key_caches(name: tuple) -> tuple[tuple, dict[int, KeyCache]]:
+    """The name and key caches of the next caller called ``name`` in the function being traced.
 
     For a caller made anew in every trace (a ``DistributedGradientTape`` created inside the
     step): ``name`` (its options, its gradients' shapes and dtypes) must read the same on
-    every rank; the n-th caller of a name in one trace gets the n-th caches, so two in one
-    step never share a key. The caller keeps its own ``KeyCache`` per number (its buckets).
+    every rank. The n-th caller of a name in one trace is named ``(*name, n)`` and gets the
+    caches of that name, the same in every trace; two in one step never share a key. The
+    caller keeps its own ``KeyCache`` per number there (its buckets).
     """
     counts = _trace_counts.setdefault(tf.compat.v1.get_default_graph(), {})
     counts[name] = counts.get(name, -1) + 1
-    return _trace_caches.setdefault((name, counts[name]), {})
+    full = (*name, counts[name])
+    return full, _trace_caches.setdefault(full, {})
 
 
 class ProcessGroup:

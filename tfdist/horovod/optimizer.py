@@ -105,7 +105,7 @@ class GradientReduction:
             tensors = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in tensors]
         self.name = self._name(tensors)
         if self.per_tape and not tf.executing_eagerly():
-            self.keys = process_group.trace_key_caches(self.name)  # the same keys in every trace of the step
+            self.name, self.keys = process_group.trace_key_caches(self.name)  # the same keys in every trace
         join_lib.record(self)
         self._sparse = self._sparse or any(isinstance(t, tf.IndexedSlices) for t in tensors)
         self._signature = [(t.shape, t.dtype) for t in tensors]
