@@ -11,6 +11,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``loss_scale``: LossScaleOptimizer skips a step when any replica overflows.
 * ``gradient_buckets``: gradients are all-reduced bucket by bucket, last layers first, so
   communication overlaps the backward pass (``tfdist.buckets``).
+* ``accumulation``: ``gradient_accumulation_steps`` and ``use_ema``'s
+  ``ema_overwrite_frequency`` under any strategy (keras#20582).
 * ``callbacks``: Keras' checkpoint, logging and early-stopping callbacks on several
   workers (tensorflow#38635).
 * ``precision_check``: ``fit`` warns about half-precision outputs once tfdist set a mixed policy.
@@ -34,11 +36,11 @@ __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", 
 def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
-    from tfdist.keras_fixes import (callbacks, gradient_buckets, loss_scale, multi_worker, precision_check,
-                                    replica_state, steps_per_execution, uneven, xla)
+    from tfdist.keras_fixes import (accumulation, callbacks, gradient_buckets, loss_scale, multi_worker,
+                                    precision_check, replica_state, steps_per_execution, uneven, xla)
 
-    return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, callbacks.patch, replica_state.patch, steps_per_execution.patch,
-            steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, xla.patch, uneven.patch,
+    return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
+            replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch, steps_per_execution.auto_patch, xla.patch, uneven.patch,
             precision_check.patch)
 
 
