@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist import callbacks, cluster, collectives, data, precision, strategy
+from tfdist import callbacks, cluster, collectives, data, precision, process_group, strategy
 from tfdist.bench import cli as bench_cli
 from tfdist.data import convert
 from tfdist.run import main as run_main
@@ -98,6 +98,8 @@ API_CASES = [
      "Unknown precision 'half'"),
     ("loss scale", lambda: precision.wrap_optimizer(sgd(), initial_scale=0), precision.PrecisionError,
      "initial_scale must be positive: received 0"),
+    ("process group lane", lambda: process_group.ProcessGroup([0, 1], 0).lane(0), ValueError,
+     r"lane number must be an int from 1 to 63; received 0"),
 ]
 
 

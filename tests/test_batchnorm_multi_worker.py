@@ -12,7 +12,7 @@ from tests.workers import common
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("batchnorm")
-    return run_job("batchnorm_job.py", out).check(), out
+    return run_job("batchnorm_job.py", out, timeout=420).check(), out
 
 
 def test_every_weight_equal_on_both_workers_statistics_the_mean_of_theirs(job):
@@ -51,3 +51,13 @@ def test_synchronized_batchnorm_on_two_workers_equals_one_device(job):
         for got, want in zip(result.results[rank]["synced_weights"], reference.get_weights()):
             np.testing.assert_allclose(got, want, atol=1e-5)
         np.testing.assert_allclose(result.results[rank]["synced_loss"], reference_loss, rtol=1e-5)
+
+
+def test_gradient_buckets_do_not_wait_for_synchronized_batchnorms_backward_all_reduce(job):
+    """Its all-reduces run in their own lane: the last layer's bucket starts before the backward pass reaches the
+    layer; the bucket of the convolution before it waits, as its data needs."""
+    result, _ = job
+    for rank in (0, 1):
+        lane = result.results[rank]["sync_bn_lane"]
+        assert lane["buckets"] >= 2 and lane["layer_collectives"] == 2, lane
+        assert not lane["first_bucket_waits"] and lane["last_bucket_waits"], lane

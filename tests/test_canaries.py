@@ -28,6 +28,7 @@ def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
     strategy = strategy_lib.make_strategy("mirrored", devices="CPU:[0-1]")
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.BatchNormalization(synchronized=True),
                                   keras.layers.Dense(1, dtype="float32")])
         model.compile(keras.optimizers.SGD(0.05), "mse", steps_per_execution=2)
     x, y = common.regression_data(16 * 5)

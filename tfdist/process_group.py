@@ -51,6 +51,7 @@ _KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "barrier")
 _GROUP_KEY_BASE = 1 << 29
 _LANE_STRIDE = 1 << 21
 _MAX_LANES = 63
+SYNC_BATCH_NORM_LANE = 1  # synchronized BatchNormalization's all-reduces (tfdist.horovod and Keras')
 _INSTANCE_KEY_BASE = 1 << 30
 _SIGNATURE_DIMS = 8
 
@@ -196,6 +197,21 @@ class ProcessGroup:
                 tensor = _divide(tensor, self.size)
             results[i] = _scale(tensor, postscale_factor)
         return results
+
+    def differentiable_sum(self, tensor: tf.Tensor, keys: tuple = (None, None)) -> tf.Tensor:
+        """The sum of ``tensor`` over the group; its gradient is the upstream gradient summed over the group.
+
+        Args:
+            keys: ``KeyCache``s (or None) for the forward and the backward all-reduce.
+        """
+        @tf.custom_gradient
+        def summed(x):
+            def grad(upstream):
+                return self.grouped_allreduce([upstream], "sum", keys=keys[1])[0]
+
+            return self.grouped_allreduce([x], "sum", keys=keys[0])[0], grad
+
+        return summed(tensor)
 
     def reducescatter(self, tensor: Tensorish, op: str = "mean", prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, compression=None) -> tf.Tensor:

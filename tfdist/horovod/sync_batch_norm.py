@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdist import process_group
 
-_LANE = 1  # the process group lane of the layer's collectives
+_LANE = process_group.SYNC_BATCH_NORM_LANE
 
 @keras.saving.register_keras_serializable(package="tfdist.horovod")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -44,7 +44,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         count = tf.cast(tf.size(inputs), tf.float32) / tf.cast(tf.size(mean), tf.float32)
         mean32, variance32 = tf.cast(mean, tf.float32), tf.cast(variance, tf.float32)
         local = tf.concat([mean32 * count, (variance32 + tf.square(mean32)) * count, [count]], 0)
-        total = _differentiable_sum(group, local, self._keys)
+        total = group.differentiable_sum(local, self._keys)
         channels = tf.size(mean)
         group_mean = total[:channels] / total[-1]
         group_variance = tf.maximum(total[channels:2 * channels] / total[-1] - tf.square(group_mean), 0.0)
@@ -66,15 +66,3 @@ def _process_group():
         return None  # Keras' synchronized path already reduced over the strategy's replicas
     return basics.group_of(basics.global_process_set, "SyncBatchNormalization").lane(_LANE)
 
-
-def _differentiable_sum(group, tensor: tf.Tensor, keys: tuple) -> tf.Tensor:
-    """Sum over the processes; its gradient is the upstream gradient summed over the processes."""
-
-    @tf.custom_gradient
-    def summed(x):
-        def grad(upstream):
-            return group.grouped_allreduce([upstream], "sum", keys=keys[1])[0]
-
-        return group.grouped_allreduce([x], "sum", keys=keys[0])[0], grad
-
-    return summed(tensor)
