@@ -1,8 +1,8 @@
 """Runs equivalence cells and prints the table: ``python -m tests.equivalence.run [--all | --strength T]``.
 
 Single-process cells run in one process (2 logical CPUs); tfdist.horovod cells in one
-2-worker ``tfdist run`` job. A cell that hangs or kills its process is recorded, and a new
-process (job) goes on with the cells after it. Exit status 0 when no cell failed.
+2-worker ``tfdist run`` job. A cell that fails with an error, hangs or kills its process is
+recorded, and a new process (job) goes on with the cells after it. Exit status 0 when no cell failed.
 
     python -m tests.equivalence.run                  # all pairs (what CI runs)
     python -m tests.equivalence.run --strength 3     # every 3 values of 3 dimensions
@@ -55,7 +55,7 @@ def _launch(cells: list[Cell], out_dir: pathlib.Path, cell_timeout: float) -> st
 
 
 def run_group(cells: list[Cell], out_dir: pathlib.Path, cell_timeout: float = CELL_TIMEOUT) -> dict[Cell, Verdict]:
-    """Verdicts on ``cells`` (all single-process or all multi-worker), restarting after a hang or crash."""
+    """Verdicts on ``cells`` (all single-process or all multi-worker), restarting after an error, hang or crash."""
     ranks = 2 if cells and cells[0].multi_worker else 1
     out_dir.mkdir(parents=True, exist_ok=True)
     verdicts: dict[Cell, Verdict] = {}
@@ -66,7 +66,7 @@ def run_group(cells: list[Cell], out_dir: pathlib.Path, cell_timeout: float = CE
         progressed = False
         for cell in list(remaining):
             per_rank = {r: records[r][cell.name] for r in records if cell.name in records[r]}
-            if len(per_rank) == ranks or any(rec["status"] == "hang" for rec in per_rank.values()):
+            if len(per_rank) == ranks or any(rec["status"] != "ok" for rec in per_rank.values()):
                 verdicts[cell] = matrix.judge(cell, per_rank)
                 remaining.remove(cell)
                 progressed = True

@@ -5,8 +5,9 @@
 CELLS_FILE lists cell names (tests/equivalence/matrix.py), one a line. For each cell this
 worker appends ``{"cell", "status", ...}`` to OUT_DIR/worker<rank>.jsonl: ``ok`` with the
 measurements of ``tests.equivalence.cells.run``, or ``error`` with the exception. A cell
-still running after CELL_TIMEOUT seconds is recorded as ``hang`` and the process exits 3
-(``tfdist run`` then stops the other worker; the driver starts a new job after that cell).
+still running after CELL_TIMEOUT seconds is recorded as ``hang`` and the process exits 3; after
+an error it exits 4 (TensorFlow aborts every later collective of a process in which one failed).
+``tfdist run`` then stops the other worker, and the driver starts a new job after that cell.
 Multi-worker cells (tfdist.horovod modes) need the 2-worker job; the others run in one
 process over TFDIST_CPU_DEVICES=2 logical CPUs.
 """
@@ -59,3 +60,5 @@ for cell in cells:
                   "traceback": traceback.format_exc()[-3000:]}
     watchdog.cancel()
     write({"cell": cell.name, "seconds": round(time.monotonic() - started, 2), **record})
+    if record["status"] == "error":
+        os._exit(4)  # a failed collective aborts every later one in this process: the driver starts a new one
