@@ -1,0 +1,214 @@
+"""The equivalence matrix's dimensions, its rules, and covering subsets of it (no TensorFlow here).
+
+A cell is one value of every dimension in ``DIMENSIONS``. ``full_product()`` is every valid
+cell; ``covering(t)`` a deterministic greedy subset in which every t values of t dimensions
+that some valid cell combines appear together at least once (t=2: all pairs, what CI runs).
+A cell is *excluded* (``exclusion``) when it makes no sense, with the reason; it *expects an
+error* (``expected_error``) when tfdist cannot make it exact and says so at build time.
+``judge`` turns what the workers measured into pass / fail / error by design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from typing import Callable, Iterable
+
+# The ways a user trains: Keras fit under tfdist's strategy, a custom loop (strategy.run with
+# tfdist.DistributedOptimizer), and tfdist.horovod (DistributedOptimizer in fit,
+# DistributedGradientTape in a tf.function step and in an eager loop).
+SINGLE_PROCESS_MODES = ("fit", "custom_loop")      # one process, 2 logical CPUs, MirroredStrategy
+MULTI_WORKER_MODES = ("hvd_fit", "hvd_tape_function", "hvd_tape_eager")  # 2 worker processes
+
+DIMENSIONS: dict[str, tuple[str, ...]] = {
+    "mode": SINGLE_PROCESS_MODES + MULTI_WORKER_MODES,
+    # SGD with momentum carries every Keras base-optimizer option, so each is tested on its own.
+    "optimizer": ("sgd_momentum", "adam", "multi_optimizer", "loss_scale", "clipnorm", "clipvalue",
+                  "global_clipnorm", "use_ema", "accumulation", "loss_scale_factor"),
+    "precision": ("float32", "mixed_float16", "mixed_bfloat16", "float64_layer"),
+    "buckets": ("default", "tiny", "0"),
+    "wire": ("none", "fp16"),
+    # even: 4 full global batches; partial_split: the last global batch (5) split 3/2 over the
+    # replicas or workers; uneven_worker: split 4/1, one worker's batch is partial.
+    "batches": ("even", "partial_split", "uneven_worker"),
+    # dense: float features; sample_weights: and per-example weights; embedding: integer ids into
+    # an Embedding (sparse gradients).
+    "inputs": ("dense", "sample_weights", "embedding"),
+}
+NAMES = tuple(DIMENSIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    mode: str
+    optimizer: str
+    precision: str
+    buckets: str
+    wire: str
+    batches: str
+    inputs: str
+
+    @property
+    def name(self) -> str:
+        return "/".join(getattr(self, dim) for dim in NAMES)
+
+    @classmethod
+    def parse(cls, name: str) -> "Cell":
+        values = name.split("/")
+        if len(values) != len(NAMES):
+            raise ValueError(f"A cell name has {len(NAMES)} parts ({'/'.join(NAMES)}); received {name!r}.")
+        for dim, value in zip(NAMES, values):
+            if value not in DIMENSIONS[dim]:
+                raise ValueError(f"Unknown {dim} {value!r} in cell {name!r}; choose one of {list(DIMENSIONS[dim])}.")
+        return cls(*values)
+
+    @property
+    def multi_worker(self) -> bool:
+        return self.mode in MULTI_WORKER_MODES
+
+
+# Rules: (predicate, reason). The first that matches a cell decides.
+EXCLUSIONS: list[tuple[Callable[[Cell], bool], str]] = [
+    (lambda c: c.mode in SINGLE_PROCESS_MODES and c.batches == "uneven_worker",
+     "one process with 2 replicas has no worker that runs out alone (partial_split covers a partial batch "
+     "split over its replicas)"),
+]
+
+# Combinations tfdist refuses at build time because it cannot make them exact: (predicate, the
+# error's pattern, why). Empty while every valid combination is meant to be exact.
+ERRORS_BY_DESIGN: list[tuple[Callable[[Cell], bool], str, str]] = []
+
+
+def exclusion(cell: Cell) -> str | None:
+    """Why ``cell`` makes no sense (it is left out of the matrix), or None."""
+    return next((reason for rule, reason in EXCLUSIONS if rule(cell)), None)
+
+
+def expected_error(cell: Cell) -> str | None:
+    """The pattern of the build-time error tfdist raises for ``cell`` by design, or None."""
+    return next((pattern for rule, pattern, _ in ERRORS_BY_DESIGN if rule(cell)), None)
+
+
+def full_product() -> list[Cell]:
+    """Every valid cell, in product order."""
+    return [cell for cell in (Cell(*values) for values in itertools.product(*DIMENSIONS.values()))
+            if exclusion(cell) is None]
+
+
+def excluded_cells() -> list[tuple[Cell, str]]:
+    cells = (Cell(*values) for values in itertools.product(*DIMENSIONS.values()))
+    return [(cell, reason) for cell in cells if (reason := exclusion(cell)) is not None]
+
+
+def _tuples(cell: Cell, strength: int) -> Iterable[tuple]:
+    values = dataclasses.astuple(cell)
+    for dims in itertools.combinations(range(len(NAMES)), strength):
+        yield tuple((d, values[d]) for d in dims)
+
+
+def covering(strength: int = 2, cells: list[Cell] | None = None) -> list[Cell]:
+    """A greedy, deterministic subset of ``cells`` (default: the full product) covering every t-tuple.
+
+    Every combination of ``strength`` values (of as many dimensions) that some cell of ``cells``
+    holds is held by at least one chosen cell. Each round takes the cell covering the most
+    tuples not yet covered (ties: the first in product order).
+    """
+    if not 1 <= strength <= len(NAMES):
+        raise ValueError(f"strength must be between 1 and {len(NAMES)}; received strength={strength!r}.")
+    cells = full_product() if cells is None else cells
+    holders: dict[tuple, list[int]] = {}
+    for index, cell in enumerate(cells):
+        for key in _tuples(cell, strength):
+            holders.setdefault(key, []).append(index)
+    counts = [0] * len(cells)
+    for indices in holders.values():
+        for index in indices:
+            counts[index] += 1
+    chosen = []
+    while holders:
+        best = max(range(len(cells)), key=lambda i: (counts[i], -i))
+        chosen.append(cells[best])
+        for key in _tuples(cells[best], strength):
+            for index in holders.pop(key, ()):
+                counts[index] -= 1
+    return chosen
+
+
+def covers(chosen: list[Cell], strength: int = 2) -> bool:
+    """Whether ``chosen`` holds every t-tuple some valid cell holds (the covering's own check)."""
+    needed = {key for cell in full_product() for key in _tuples(cell, strength)}
+    return needed <= {key for cell in chosen for key in _tuples(cell, strength)}
+
+
+# Weight updates (final minus initial weights) may differ from one device's by this much,
+# relative to the update's norm: float rounding of the compute dtype (a sum split over
+# replicas rounds differently), and float16 on the wire (about 3 decimal digits).
+TOLERANCE = {"float32": 1e-4, "float64_layer": 1e-4, "mixed_float16": 5e-3, "mixed_bfloat16": 3e-2}
+FP16_WIRE_TOLERANCE = 5e-3
+
+
+def tolerance(cell: Cell) -> float:
+    return max(TOLERANCE[cell.precision], FP16_WIRE_TOLERANCE if cell.wire == "fp16" else 0.0)
+
+
+# "one device fails too": Keras itself cannot train the cell on one device (the distributed run fails as well),
+# so there is nothing to be equivalent to; listed apart from tfdist's failures.
+OUTCOMES = ("pass", "fail", "error by design", "one device fails too")
+ONE_DEVICE_FAILS = "FailsOnOneDeviceToo"  # the error cells.run raises then
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    cell: Cell
+    outcome: str  # one of OUTCOMES
+    detail: str
+
+
+def _last_line(error: str) -> str:
+    """An error in one line: the last line that names an exception (TensorFlow's "in user code:" ends with
+    the cause) and the line after it."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m|\[[0-9;]*m", "", line).strip() for line in error.splitlines()]
+    lines = [line for line in lines if line]
+    named = [i for i, line in enumerate(lines) if re.match(r"[A-Z]\w*(Error|Exception|Exit)\b.*:", line)]
+    if not named:
+        return " ".join(lines)[:240]
+    return " ".join(lines[named[-1]:named[-1] + 2])[:240]
+
+
+def judge(cell: Cell, per_rank: dict[int, dict]) -> Verdict:
+    """The verdict on ``cell`` from each rank's record (``equivalence_job`` writes them)."""
+    expected = expected_error(cell)
+    records = [per_rank[r] for r in sorted(per_rank)]
+    problems = [f"rank {r}: {rec['status']}: {_last_line(rec.get('error', ''))}" for r, rec in sorted(per_rank.items())
+                if rec["status"] != "ok"]
+    if expected is not None:
+        if records and all(rec["status"] == "error" and re.search(expected, rec["error"]) for rec in records):
+            return Verdict(cell, "error by design", _last_line(records[0]["error"]))
+        return Verdict(cell, "fail", f"expected an error matching {expected!r}; got " +
+                       ("; ".join(problems) or "a finished training"))
+    if records and per_rank[0]["status"] == "error" and per_rank[0]["error"].startswith(ONE_DEVICE_FAILS) and \
+            all(rec["status"] == "error" for rec in records):
+        return Verdict(cell, "one device fails too", _last_line(per_rank[0]["error"]))
+    if problems:
+        return Verdict(cell, "fail", "; ".join(problems))
+    first = per_rank[0]  # rank 0 trained the one-device reference too
+    across = max(abs(a - b) for rec in records[1:] for a, b in zip(rec["weights"], first["weights"])) \
+        if len(records) > 1 else 0.0
+    failures = []
+    if across > 0:
+        failures.append(f"weights differ across ranks by {across:.3g}")
+    if first["iterations"] != first["reference_iterations"]:
+        failures.append(f"optimizer.iterations {first['iterations']} vs {first['reference_iterations']} on one device")
+    if first["loss_scale"] != first["reference_loss_scale"]:
+        failures.append(f"loss scale {first['loss_scale']} vs {first['reference_loss_scale']} on one device "
+                        "(different skipped steps)")
+    if not first["finite"]:
+        failures.append("non-finite weights")
+    limit = tolerance(cell)
+    if not first["difference"] <= limit:
+        failures.append(f"update differs from one device's by {first['difference']:.3g} (relative; "
+                        f"tolerance {limit:g})")
+    if failures:
+        return Verdict(cell, "fail", "; ".join(failures))
+    return Verdict(cell, "pass", f"difference {first['difference']:.2g}")

@@ -1,0 +1,64 @@
+"""Runs many equivalence cells in one process (or one 2-worker job), so start-up is paid once.
+
+    equivalence_job.py OUT_DIR CELLS_FILE CELL_TIMEOUT
+
+CELLS_FILE lists cell names (tests/equivalence/matrix.py), one a line. For each cell this
+worker appends ``{"cell", "status", ...}`` to OUT_DIR/worker<rank>.jsonl: ``ok`` with the
+measurements of ``tests.equivalence.cells.run``, or ``error`` with the exception. A cell
+still running after CELL_TIMEOUT seconds is recorded as ``hang`` and the process exits 3; after
+an error it exits 4 (TensorFlow aborts every later collective of a process in which one failed).
+``tfdist run`` then stops the other worker, and the driver starts a new job after that cell.
+Multi-worker cells (tfdist.horovod modes) need the 2-worker job; the others run in one
+process over TFDIST_CPU_DEVICES=2 logical CPUs.
+"""
+
+import faulthandler
+import json
+import os
+import pathlib
+import sys
+import threading
+import time
+import traceback
+
+import tfdist
+from tests.equivalence import cells as cells_lib
+from tests.equivalence.matrix import Cell
+
+out_dir, cells_file, cell_timeout = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+cells = [Cell.parse(line) for line in pathlib.Path(cells_file).read_text().split()]
+if any(cell.multi_worker for cell in cells):
+    import tfdist.horovod as hvd
+
+    hvd.init()
+    rank, strategy = hvd.rank(), None
+else:
+    rank, strategy = 0, tfdist.get_strategy()
+log = open(out_dir / f"worker{rank}.jsonl", "a")
+
+
+def write(record: dict) -> None:
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+
+
+def give_up(cell: Cell) -> None:
+    write({"cell": cell.name, "status": "hang", "error": f"no result after {cell_timeout:g} s"})
+    faulthandler.dump_traceback(all_threads=True)
+    os._exit(3)
+
+
+for cell in cells:
+    watchdog = threading.Timer(cell_timeout, give_up, args=(cell,))
+    watchdog.daemon = True
+    watchdog.start()
+    started = time.monotonic()
+    try:
+        record = cells_lib.run(cell, strategy, reference=rank == 0)
+    except Exception as error:  # noqa: BLE001  (every failure is the cell's result)
+        record = {"status": "error", "error": f"{type(error).__name__}: {error}".strip(),
+                  "traceback": traceback.format_exc()[-3000:]}
+    watchdog.cancel()
+    write({"cell": cell.name, "seconds": round(time.monotonic() - started, 2), **record})
+    if record["status"] == "error":
+        os._exit(4)  # a failed collective aborts every later one in this process: the driver starts a new one
