@@ -85,3 +85,11 @@ def test_a_cell_keras_cannot_train_on_one_device_is_listed_apart():
     other = {"status": "error", "error": "TypeError: IndexedSlices / float"}
     assert matrix.judge(CELL, {0: mine, 1: other}).outcome == "one device fails too"
     assert matrix.judge(CELL, {0: mine, 1: _record()}).outcome == "fail"  # rank 1 trained: not the same failure
+
+
+def test_a_known_failure_is_listed_apart_with_its_cause():
+    cell = Cell.parse("fit/adam/float32/0/none/partial_split/dense")
+    verdict = matrix.judge(cell, {0: _record(difference=0.1)})
+    assert verdict.outcome == "known failure" and "1/replicas" in verdict.detail
+    assert matrix.judge(cell, {0: _record()}).outcome == "pass"
+    assert matrix.known_failure(Cell.parse("fit/adam/float32/0/none/even/dense")) is None

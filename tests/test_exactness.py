@@ -2,12 +2,15 @@
 MultiOptimizer under mixed_float16, a float64 layer among float32 ones, an Embedding with a partial last
 batch, and Keras' own optimizer options (use_ema, gradient_accumulation_steps, loss_scale_factor, clipping)."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfdist
+import tfdist.horovod as hvd
 from tfdist import buckets
 
 pytestmark = pytest.mark.usefixtures("fresh_tfdist_strategy", "restore_dtype_policy")
@@ -121,9 +124,11 @@ def test_keras_optimizer_options(options):
     assert int(two.optimizer.iterations.numpy()) == 2 * len(X) // GLOBAL // steps
 
 
-def test_distributed_optimizer_refuses_a_multi_optimizer_and_names_the_fix():
+@pytest.mark.parametrize("wrapper, name", [(lambda o: tfdist.DistributedOptimizer(o), "tfdist.DistributedOptimizer"),
+                                           (lambda o: hvd.DistributedOptimizer(o), "hvd.DistributedOptimizer")])
+def test_distributed_optimizer_refuses_a_multi_optimizer_and_names_the_fix(wrapper, name):
     optimizers = keras.optimizers.OptimizerMap(keras.optimizers.SGD(0.05))
-    with pytest.raises(TypeError, match=r"DistributedOptimizer wraps one optimizer; received a MultiOptimizer\. Under "
+    with pytest.raises(TypeError, match=rf"{re.escape(name)} wraps one optimizer; received a MultiOptimizer\. Under "
                                         r"tfdist a MultiOptimizer works as it is .* wrap its inner optimizers: "
-                                        r"keras\.optimizers\.OptimizerMap\(tfdist\.DistributedOptimizer\(opt, "):
-        tfdist.DistributedOptimizer(keras.optimizers.MultiOptimizer(optimizers))
+                                        rf"keras\.optimizers\.OptimizerMap\({re.escape(name)}\(opt, "):
+        wrapper(keras.optimizers.MultiOptimizer(optimizers))

@@ -64,11 +64,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; received "
                         f"{type(optimizer).__name__}.")
-    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
-        raise TypeError("DistributedOptimizer wraps one optimizer; received a MultiOptimizer. Under tfdist a "
-                        "MultiOptimizer works as it is (gradients all-reduced once); for accumulation or compression "
-                        "wrap its inner optimizers: keras.optimizers.OptimizerMap(tfdist.DistributedOptimizer(opt, "
-                        "backward_passes_per_step=k), ...).")
+    check_one_optimizer(optimizer, "tfdist.DistributedOptimizer")
     check_backward_passes(backward_passes_per_step)
     own = optimizer.gradient_accumulation_steps
     if own and backward_passes_per_step not in (1, own):
@@ -89,6 +85,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     distributed = _distributed_class(type(optimizer)).from_config(config)
     distributed.compression = compression
     return distributed
+
+
+def check_one_optimizer(optimizer, wrapper: str) -> None:
+    """Raises TypeError for a ``MultiOptimizer``, which ``wrapper`` cannot rebuild (shared with tfdist.horovod)."""
+    if isinstance(optimizer, keras.optimizers.MultiOptimizer):
+        raise TypeError(f"{wrapper} wraps one optimizer; received a MultiOptimizer. Under tfdist a MultiOptimizer "
+                        "works as it is (gradients all-reduced once); for accumulation or compression wrap its "
+                        f"inner optimizers: keras.optimizers.OptimizerMap({wrapper}(opt, ...), ...).")
 
 
 def check_backward_passes(backward_passes_per_step) -> None:

@@ -76,13 +76,38 @@ EXCLUSIONS: list[tuple[Callable[[Cell], bool], str]] = [
 ]
 
 # Combinations tfdist refuses at build time because it cannot make them exact: (predicate, the
-# error's pattern, why). Empty while every valid combination is meant to be exact.
-ERRORS_BY_DESIGN: list[tuple[Callable[[Cell], bool], str, str]] = []
+# error's pattern, why).
+ERRORS_BY_DESIGN: list[tuple[Callable[[Cell], bool], str, str]] = [
+    (lambda c: c.optimizer == "multi_optimizer" and (c.mode in ("custom_loop", "hvd_fit")
+                                                     or (c.mode == "fit" and c.wire == "fp16")),
+     r"DistributedOptimizer wraps one optimizer; received a MultiOptimizer",
+     "a DistributedOptimizer rebuilds its optimizer from the config, which a MultiOptimizer's is not; the error "
+     "says to wrap the inner optimizers (a MultiOptimizer under tfdist.scope() alone is exact)"),
+]
+
+# Cells known to differ from one device today, each with its cause (issue 28 stays open for them). Such a
+# cell that fails is a "known failure", not a "fail"; one that passes is a pass, and the rule should go.
+KNOWN_FAILURES: list[tuple[Callable[[Cell], bool], str]] = [
+    (lambda c: c.mode == "fit" and c.batches == "partial_split",
+     "Keras scales each replica's mean loss by 1/replicas, not by its share of a partial global batch "
+     "(plain Keras under MirroredStrategy does the same; docs/your-script.md says exactly how examples weigh)"),
+    (lambda c: c.mode == "custom_loop" and c.inputs == "embedding" and c.batches == "partial_split",
+     "a custom loop with an Embedding and a global batch split 3/2 differs from one device by 0.5-15% "
+     "(cause not found yet)"),
+    (lambda c: c.mode.startswith("hvd_tape") and c.wire == "fp16" and c.optimizer == "loss_scale",
+     "hvd.DistributedGradientTape all-reduces the gradients it is given: scaled by a LossScaleOptimizer, they "
+     "overflow a float16 wire (as in Horovod), so every step is skipped"),
+]
 
 
 def exclusion(cell: Cell) -> str | None:
     """Why ``cell`` makes no sense (it is left out of the matrix), or None."""
     return next((reason for rule, reason in EXCLUSIONS if rule(cell)), None)
+
+
+def known_failure(cell: Cell) -> str | None:
+    """Why ``cell`` is known to differ from one device today, or None."""
+    return next((reason for rule, reason in KNOWN_FAILURES if rule(cell)), None)
 
 
 def expected_error(cell: Cell) -> str | None:
@@ -154,7 +179,7 @@ def tolerance(cell: Cell) -> float:
 
 # "one device fails too": Keras itself cannot train the cell on one device (the distributed run fails as well),
 # so there is nothing to be equivalent to; listed apart from tfdist's failures.
-OUTCOMES = ("pass", "fail", "error by design", "one device fails too")
+OUTCOMES = ("pass", "fail", "known failure", "error by design", "one device fails too")
 ONE_DEVICE_FAILS = "FailsOnOneDeviceToo"  # the error cells.run raises then
 
 
@@ -178,6 +203,14 @@ def _last_line(error: str) -> str:
 
 def judge(cell: Cell, per_rank: dict[int, dict]) -> Verdict:
     """The verdict on ``cell`` from each rank's record (``equivalence_job`` writes them)."""
+    verdict = _judge(cell, per_rank)
+    known = known_failure(cell)
+    if verdict.outcome == "fail" and known is not None:
+        return Verdict(cell, "known failure", f"{verdict.detail} [{known}]")
+    return verdict
+
+
+def _judge(cell: Cell, per_rank: dict[int, dict]) -> Verdict:
     expected = expected_error(cell)
     records = [per_rank[r] for r in sorted(per_rank)]
     problems = [f"rank {r}: {rec['status']}: {_last_line(rec.get('error', ''))}" for r, rec in sorted(per_rank.items())

@@ -101,7 +101,10 @@ class GradientReduction:
         """The gradients combined across the process set; None entries stay None."""
         present = [i for i, g in enumerate(gradients) if g is not None]
         tensors = [gradients[i] for i in present]
-        if self.sparse_as_dense:
+        if self.sparse_as_dense or not tf.executing_eagerly():
+            # Inside a tf.function always dense, as on the Keras path (keras_fixes.gradient_buckets._dense): a
+            # gathered IndexedSlices has the step's row count as its shape, and a step or retrace with another
+            # count (a partial batch) would meet the shape TensorFlow recorded for that collective's key.
             tensors = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in tensors]
         self.name = self._name(tensors)
         if self.per_tape and not tf.executing_eagerly():
@@ -243,7 +246,8 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
         gradient_predivide_factor: see ``GradientReduction``.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         backward_passes_per_step: k: gradients of k batches are added up locally, then
-            all-reduced once and applied.
+            all-reduced once and applied (their sum, as Horovod; the optimizer's own
+            ``gradient_accumulation_steps`` keeps Keras' mean).
         average_aggregated_gradients: divide those k summed gradients by k.
         num_groups, groups: accepted; gradients are fused into one all-reduce per dtype.
         process_set: the ranks that average together.
@@ -253,7 +257,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
         An optimizer of the same Keras class.
 
     Raises:
-        TypeError: not a Keras optimizer (a ``tf.compat.v1`` optimizer is named).
+        TypeError: not a Keras optimizer (a ``tf.compat.v1`` optimizer is named), or a ``MultiOptimizer``.
         ValueError: Adasum, an unknown op, bad ``backward_passes_per_step``, or one that
             disagrees with the optimizer's own ``gradient_accumulation_steps``.
     """
@@ -264,6 +268,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer; received {type(optimizer).__name__}: "
                         f"{optimizer!r}.")
+    optimizer_lib.check_one_optimizer(optimizer, "hvd.DistributedOptimizer")
     optimizer_lib.check_backward_passes(backward_passes_per_step)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # reduce in the inner optimizer
         inner = DistributedOptimizer(
@@ -283,7 +288,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
     steps = own or backward_passes_per_step
     config["gradient_accumulation_steps"] = steps if steps > 1 else None
     reduction = GradientReduction(op, compression, sparse_as_dense, gradient_predivide_factor, process_set,
-                                  aggregation_scale=1.0 if average_aggregated_gradients else float(steps),
+                                  aggregation_scale=1.0 if average_aggregated_gradients or own else float(steps),
                                   groups=_groups(groups, num_groups))
     distributed = optimizer_lib._distributed_class(type(optimizer), _AllReduceBeforeUpdate).from_config(config)
     distributed._tfdist_reduction = reduction
