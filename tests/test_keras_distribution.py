@@ -157,7 +157,8 @@ def test_num_processes_and_process_id_come_from_the_launcher(launcher, monkeypat
 
 def test_keras_variables_become_the_tf_config_and_initialize_joins(monkeypatch):
     for name in ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so the TF_CONFIG initialize() writes is removed after the test
+        monkeypatch.delenv(name)
     joined = []
     monkeypatch.setattr(distribution_cluster.strategy_lib, "get_strategy", lambda: joined.append(True))
     monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", "10.0.0.1:1234, 10.0.0.2:2345")

@@ -61,3 +61,14 @@ def test_start_up_noise_is_dropped_and_errors_kept():
 
 def test_a_cuinit_error_is_kept_where_a_driver_exists():
     assert output.StartupNoiseFilter().keep(b"E0000 00:00:1.0   1 cuda_platform.cc:52] failed call to cuInit: X\n")
+
+
+@pytest.mark.parametrize("first", ["tfdist.compression", "tfdist.horovod", "tfdist.optimizer"])
+def test_every_keras_fix_applies_whichever_tfdist_module_is_imported_first(first):
+    """Importing a tfdist module imports TensorFlow, which imports Keras, whose hook imports every fix:
+    a fix that imports a name from the module still being imported would fail, and the fixes stay off."""
+    script = (f"import {first}, keras\nfrom tfdist import keras_fixes\n"
+              "print('applied', all(p.applied for p in keras_fixes.patches()))")
+    result = subprocess.run([sys.executable, "-W", "error::Warning", "-c", script], env=job_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert "applied True" in result.stdout, result.stderr[-3000:]

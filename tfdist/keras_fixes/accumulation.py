@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from tfdist import buckets, process_group
-from tfdist.compression import Compression
+from tfdist import compression as compression_lib  # a module: its import may be under way
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -73,7 +73,7 @@ def _overwrite_when_due(distribution, optimizer):
 
 def _accumulate(optimizer, grads, trainable_variables):
     """Replica context: this micro-batch added to this replica's sums, then one ``merge_call``."""
-    compression = getattr(optimizer, "compression", Compression.none)
+    compression = getattr(optimizer, "compression", compression_lib.Compression.none)
     accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in trainable_variables]
     sums = [acc.value + tf.cast(g, acc.dtype) for acc, g in zip(accumulators, grads)]
     packed = [compression.compress(total) for total in sums]
