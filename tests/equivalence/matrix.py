@@ -94,6 +94,9 @@ KNOWN_FAILURES: list[tuple[Callable[[Cell], bool], str]] = [
     (lambda c: c.mode == "custom_loop" and c.inputs == "embedding" and c.batches == "partial_split",
      "a custom loop with an Embedding and a global batch split 3/2 differs from one device by 0.5-15% "
      "(cause not found yet)"),
+    (lambda c: c.optimizer == "loss_scale_factor" and c.inputs == "embedding",
+     "Keras 3 divides an Embedding's IndexedSlices gradient by loss_scale_factor (TypeError) on one device, so "
+     "there is no reference; where tfdist reduces the gradient dense it trains"),
     (lambda c: c.mode.startswith("hvd_tape") and c.wire == "fp16" and c.optimizer == "loss_scale",
      "hvd.DistributedGradientTape all-reduces the gradients it is given: scaled by a LossScaleOptimizer, they "
      "overflow a float16 wire (as in Horovod), so every step is skipped"),
@@ -220,6 +223,8 @@ def _judge(cell: Cell, per_rank: dict[int, dict]) -> Verdict:
             return Verdict(cell, "error by design", _last_line(records[0]["error"]))
         return Verdict(cell, "fail", f"expected an error matching {expected!r}; got " +
                        ("; ".join(problems) or "a finished training"))
+    if 0 not in per_rank:
+        return Verdict(cell, "fail", "rank 0 recorded nothing; " + ("; ".join(problems) or "the others trained"))
     if records and per_rank[0]["status"] == "error" and per_rank[0]["error"].startswith(ONE_DEVICE_FAILS) and \
             all(rec["status"] == "error" for rec in records):
         return Verdict(cell, "one device fails too", _last_line(per_rank[0]["error"]))

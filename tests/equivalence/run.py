@@ -66,17 +66,17 @@ def run_group(cells: list[Cell], out_dir: pathlib.Path, cell_timeout: float = CE
         progressed = False
         for cell in list(remaining):
             per_rank = {r: records[r][cell.name] for r in records if cell.name in records[r]}
-            if len(per_rank) == ranks or any(rec["status"] != "ok" for rec in per_rank.values()):
+            if len(per_rank) == ranks or (not progressed and any(rec["status"] != "ok" for rec in per_rank.values())):
                 verdicts[cell] = matrix.judge(cell, per_rank)
                 remaining.remove(cell)
                 progressed = True
-            elif per_rank or not progressed:
+            elif progressed:
+                break  # a rank left after failing a cell before this one: run this one again in a new process
+            else:
                 # the process died in this cell (or before any): record it, go on after it
                 verdicts[cell] = Verdict(cell, "fail", "the process ended in this cell: " +
                                          " | ".join(output.strip().splitlines()[-3:])[-400:])
                 remaining.remove(cell)
-                break
-            else:
                 break
     return verdicts
 
