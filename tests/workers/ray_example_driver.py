@@ -1,8 +1,8 @@
-"""Ray's own TensorFlow example with one line changed, run RUNS times: ``ray_example_driver.py OUT_DIR RAY_ADDRESS RUNS``.
+"""Ray's own TensorFlow example with one line changed, for EPOCHS epochs: ``ray_example_driver.py OUT_DIR RAY_ADDRESS EPOCHS``.
 
 The changed line: ``os.environ["TF_USE_LEGACY_KERAS"] = "1"`` becomes ``import tfdist``.
 MNIST comes from tests/workers/offline_mnist (no download). Writes OUT_DIR/result.json:
-every checkpoint Ray kept, per run.
+every checkpoint Ray kept (one per epoch).
 """
 
 import difflib
@@ -17,7 +17,7 @@ import ray.train.examples.tf.tensorflow_mnist_example as original
 from ray.train import CheckpointConfig, RunConfig, ScalingConfig
 from ray.train.tensorflow import TensorflowTrainer
 
-out_dir, address, runs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+out_dir, address, epochs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 source = pathlib.Path(original.__file__).read_text()
 changed = source.replace('os.environ["TF_USE_LEGACY_KERAS"] = "1"', "import tfdist")
 diff = [line for line in difflib.unified_diff(source.splitlines(), changed.splitlines(), lineterm="", n=0)
@@ -32,14 +32,11 @@ path = os.pathsep.join([str(module_dir), str(repo / "tests" / "workers" / "offli
 ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path, "TF_CPP_MIN_LOG_LEVEL": "2"}})
 sys.path.insert(0, str(module_dir))
 example = importlib.import_module("tfdist_mnist_example")
-kept = []
-for run in range(runs):
-    trainer = TensorflowTrainer(
-        train_loop_per_worker=example.train_func,
-        train_loop_config={"lr": 1e-3, "batch_size": 32, "epochs": 3, "steps_per_epoch": 3},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(storage_path=str(out_dir / "ray"), name=f"run{run}",
-                             checkpoint_config=CheckpointConfig(num_to_keep=None)))
-    result = trainer.fit()
-    kept.append([checkpoint.path for checkpoint, _ in result.best_checkpoints])
+trainer = TensorflowTrainer(
+    train_loop_per_worker=example.train_func,
+    train_loop_config={"lr": 1e-3, "batch_size": 32, "epochs": epochs, "steps_per_epoch": 2},
+    scaling_config=ScalingConfig(num_workers=2),
+    run_config=RunConfig(storage_path=str(out_dir / "ray"), name="run",
+                         checkpoint_config=CheckpointConfig(num_to_keep=None)))
+kept = [checkpoint.path for checkpoint, _ in trainer.fit().best_checkpoints]
 (out_dir / "result.json").write_text(json.dumps({"checkpoints": kept}))
