@@ -1,5 +1,5 @@
 """What Keras 3 users report broken under strategies, pinned on 2 logical devices (the 2-worker metric
-average, keras#19280, is in tests/test_uneven_fit_multi_worker.py)."""
+average, keras#19280, is in tests/test_multi_worker.py)."""
 
 import numpy as np
 import pytest

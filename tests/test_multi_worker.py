@@ -1,4 +1,13 @@
-"""A real 2-worker cluster started through `tfdist run`: Keras 3 fit/evaluate/predict work."""
+"""A real 2-worker cluster started through `tfdist run`: Keras 3 fit/evaluate/predict work.
+
+``fit`` under tfdist.scope() with per-worker data (``distribute_datasets_from_function``) of different lengths
+finishes too. How: the workers agree on the longest worker's step count (tfdist.keras_fixes.uneven; Keras
+took each worker's own, and the shorter one left its peers in a collective); TensorFlow's
+distributed iterator all-reduces "has data" every step and feeds a worker out of data empty
+batches, whose loss Keras reduces to 0 (divide_no_nan) and whose gradient is 0. Keras scales
+each replica's loss by 1/replicas, so the update is Horovod's join average (the denominator
+counts every worker).
+"""
 
 import numpy as np
 import pytest
@@ -9,7 +18,7 @@ from tests.workers import common
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job("foundation_job.py", tmp_path_factory.mktemp("foundation")).check()
+    return run_job("foundation_job.py", tmp_path_factory.mktemp("foundation"), timeout=240).check()
 
 
 def test_workers_see_the_cluster(job):
@@ -65,6 +74,31 @@ def test_fit_on_numpy_arrays_matches_one_device_with_validation(job):
             np.testing.assert_allclose(a, b, atol=1e-5)
         assert got["val_loss_split"] == pytest.approx(reference["val_loss_split"], abs=1e-5)
         assert got["val_loss_data"] == pytest.approx(reference["val_loss_data"], abs=1e-5)
+
+
+def test_fit_with_fewer_batches_on_one_worker_finishes_with_the_join_average(job):
+    uneven = [job.results[rank]["uneven"] for rank in (0, 1)]
+    first, second = uneven[0]["fit"], uneven[1]["fit"]
+    assert first["steps"] == second["steps"] == 10  # the longer worker's batches
+    assert uneven[0]["batches"] == uneven[1]["batches"] == [10, 10]  # with a batch callback too
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    want = common.join_by_hand([common.join_data(0, 10), common.join_data(1, 6)])
+    for got, expected in zip(first["weights"], want):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(first["loss"]).all() and first["loss"] == second["loss"]
+
+
+def test_metrics_are_averaged_over_every_worker(job):
+    """keras#19280: a metric is the mean over every example of every worker (40 and 24, uneven), the same on each."""
+    kernel, bias = (np.asarray(w) for w in job.results[0]["uneven"]["fit"]["weights"])
+    x = np.concatenate([common.join_data(10, 10)[0], common.join_data(11, 6)[0]])
+    y = np.concatenate([common.join_data(10, 10)[1], common.join_data(11, 6)[1]])
+    error = x @ kernel + bias - y
+    for rank in (0, 1):
+        result = job.results[rank]["uneven"]["evaluate"]
+        assert result["mae"] == pytest.approx(np.abs(error).mean(), rel=1e-5)
+        assert result["loss"] == pytest.approx((error ** 2).mean(), rel=1e-5)
 
 
 def test_without_the_fix_keras_multi_worker_fit_fails(tmp_path):
