@@ -111,21 +111,6 @@ def _only(made, sshd):
     return True
 
 
-def test_two_hosts_one_over_ssh_train_one_job(hosts, tmp_path):
-    result = launch(hosts, tmp_path)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    made, _ = hosts
-    assert f"node 1 ({made[1].address}, over ssh): 1 worker(s)" in output
-    assert "[0] Epoch 3/3" in output and "all workers finished on 2 nodes" in output
-    workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
-    assert workers[0]["final_weights"] == workers[1]["final_weights"]
-    logs = workers[0]["fits"][-1]["epoch_logs"]
-    assert logs[-1]["loss"] < logs[0]["loss"]
-    assert (tmp_path / "multi_worker_model.keras").exists()
-    assert nothing_left_running(hosts)
-
-
 def test_a_host_known_only_to_the_ssh_config_is_reached_by_its_alias(hosts, tmp_path):
     """-H gpu1 where only --ssh-config-file knows gpu1's HostName (ssh -G): toy workers, no TensorFlow."""
     made, keys = hosts
@@ -241,16 +226,23 @@ def test_a_changed_host_key_is_refused(hosts, tmp_path):
     assert nothing_left_running(hosts)
 
 
-def test_max_restarts_restarts_both_hosts_after_a_worker_dies_on_the_ssh_host(hosts, tmp_path):
+def test_two_hosts_train_one_job_and_restart_both_after_a_worker_dies_on_the_ssh_host(hosts, tmp_path):
+    """One job trains across both hosts; with --max-restarts, a worker killed on the ssh host restarts both."""
     result = launch(hosts, tmp_path, "--max-restarts", "1", "-x", "HOROVOD_TEST_KILL",
                     env={"HOROVOD_TEST_KILL": "1:0:1:2"})  # rank 1 (ssh host), first attempt only
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
+    made, _ = hosts
+    assert f"node 1 ({made[1].address}, over ssh): 1 worker(s)" in output
     assert "worker 1 on node 1 was killed by SIGKILL" in output
     assert "restarting all workers on 2 nodes (1/1)" in output and "all workers finished on 2 nodes" in output
+    assert "[0] Epoch 3/3" in output
     workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
     assert [w["attempt"] for w in workers] == [1, 1]
     assert workers[0]["final_weights"] == workers[1]["final_weights"]
+    logs = workers[0]["fits"][-1]["epoch_logs"]
+    assert logs[-1]["loss"] < logs[0]["loss"]
+    assert (tmp_path / "multi_worker_model.keras").exists()
     assert nothing_left_running(hosts)
 
 
