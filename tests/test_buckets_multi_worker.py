@@ -7,13 +7,14 @@ import pytest
 
 from tests.jobs import run_job
 
+pytestmark = pytest.mark.timeout(480)  # the first test waits for the shared job (run_job's 420 s)
 CASES = ("fit", "tape", "loss_scale_fit", "loss_scale_tape", "clip_fit", "clip_tape", "accumulation", "fp16",
          "hvd_optimizer", "hvd_tape")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=300).check().results
+    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=420).check().results
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -82,18 +83,13 @@ def test_multi_worker_processes_reuse_their_cpu_memory(job):
     assert job[0]["cpu_allocator"] == job[1]["cpu_allocator"] == "true"
 
 
-@pytest.fixture(scope="module")
-def exactness_job(tmp_path_factory):
-    return run_job("buckets_job.py", tmp_path_factory.mktemp("exactness"), "exactness", timeout=270).check().results
-
-
 @pytest.mark.parametrize("case", ["multi_optimizer_mixed_float16", "float64_layer", "embedding_partial_batch",
                                   "accumulation_ema"])
-def test_issue_28_cases_equal_one_device_on_both_workers(exactness_job, case):
+def test_issue_28_cases_equal_one_device_on_both_workers(job, case):
     """A MultiOptimizer under mixed_float16 (was all-reduced twice), a float64 layer (ConcatV2 dtype error), an
     Embedding with a partial last batch (collective shape mismatch), Keras' accumulation with use_ema's overwrite
     (merge_call inside a cond)."""
-    first, second = exactness_job[0][case], exactness_job[1][case]
+    first, second = job[0]["exactness"][case], job[1]["exactness"][case]
     assert first["two_workers"]["digest"] == second["two_workers"]["digest"]
     assert first["two_workers"]["iterations"] == first["one_device"]["iterations"] > 0
     atol = 5e-4 if "float16" in case else 1e-5

@@ -1,11 +1,11 @@
 """2 workers: training with gradient buckets (every gradient its own all-reduce) against one pack.
 
-argv: OUT_DIR [mismatch | exactness]. Each case trains the same model from the same weights twice, with
+argv: OUT_DIR [mismatch]. Each case trains the same model from the same weights twice, with
 ``tfdist.set_bucket_bytes(1)`` and with 0, and writes both results, how many all-reduce calls
 the optimizer made, and (custom loop) whether the first bucket's collective waits for the first
 layer's gradient. With ``mismatch``, worker 1 alone uses buckets: its fit must fail.
-With ``exactness``, issue 28's cases instead, with the default buckets, each beside its
-one-device weights (``EXACTNESS``): a MultiOptimizer under mixed_float16, a float64 layer, an Embedding with a
+Before those cases, with the default buckets, issue 28's cases, each beside its one-device weights
+(``EXACTNESS``, under the key "exactness"): a MultiOptimizer under mixed_float16, a float64 layer, an Embedding with a
 partial last batch, Keras' accumulation with use_ema's overwrite.
 """
 
@@ -202,12 +202,6 @@ def exactness_case(policy, build, make_optimizer, inputs, targets, distributed):
             "iterations": int(model.optimizer.iterations.numpy())}
 
 
-if sys.argv[2:] == ["exactness"]:
-    common.write_result(out_dir, {name: {"two_workers": exactness_case(*case, distributed=True),
-                                         "one_device": exactness_case(*case, distributed=False)}
-                                  for name, case in EXACTNESS.items()})
-    sys.exit(0)
-
 if sys.argv[2:] == ["mismatch"]:
     tfdist.set_bucket_bytes(1 if rank == 1 else 0)
     try:
@@ -222,7 +216,10 @@ one_device = build()  # no strategy: the clipped reference a 2-worker run must e
 one_device.compile(keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=CLIP), loss_fn())
 one_device.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
 payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
-           "clip_one_device": [w.tolist() for w in one_device.get_weights()]}
+           "clip_one_device": [w.tolist() for w in one_device.get_weights()],
+           "exactness": {name: {"two_workers": exactness_case(*case, distributed=True),  # default buckets: first
+                                "one_device": exactness_case(*case, distributed=False)}
+                         for name, case in EXACTNESS.items()}}
 for name, case in CASES.items():
     for bucket_bytes in (1, 0):
         tfdist.set_bucket_bytes(bucket_bytes)
