@@ -205,8 +205,11 @@ class Tuner:
         self._seconds = [[0.0] * ROUNDS for _ in self.settings]
         self._steps = [[0] * ROUNDS for _ in self.settings]
         self._turn = self._timed_this_turn = self._steps_run = 0
+        self._chosen: Callable | None = None
 
     def __call__(self, *args, **kwargs):
+        if self._chosen is not None:  # settled: whoever still holds the tuner gets the chosen function
+            return self._chosen(*args, **kwargs)
         candidate = self._turns[self._turn]
         setting = self.settings[candidate]
         buckets.use_tuned(setting.bucket_bytes, setting.first_bucket_bytes)  # read when the function traces
@@ -235,8 +238,9 @@ class Tuner:
         best = min(range(len(self.settings)), key=lambda c: (chief[c], c))
         step_ms = {str(s): [1000 * t / n for t, n in zip(self._seconds[c], self._steps[c])]
                    for c, s in enumerate(self.settings)}
-        self._settle(self.settings[best], step_ms, self._steps_run, self._functions[best])
+        self._chosen = self._functions[best]
         self._functions.clear()
+        self._settle(self.settings[best], step_ms, self._steps_run, self._chosen)
 
 
 def _size(nbytes: int) -> str:

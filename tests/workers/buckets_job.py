@@ -1,6 +1,8 @@
 """2 workers: training with gradient buckets (every gradient its own all-reduce) against one pack.
 
-argv: OUT_DIR [mismatch | exactness]. Each case trains the same model from the same weights twice, with
+argv: OUT_DIR [mismatch | exactness]. First, autotune (``tfdist.autotune``): off by TFDIST_AUTOTUNE=0 (the
+suite's), then on until it settles, against one pack; off under an explicit bucket size; a later run's reuse of the
+chief's record. Then each case trains the same model from the same weights twice, with
 ``tfdist.set_bucket_bytes(1)`` and with 0, and writes both results, how many all-reduce calls
 the optimizer made, and (custom loop) whether the first bucket's collective waits for the first
 layer's gradient. With ``mismatch``, worker 1 alone uses buckets: its fit must fail.
@@ -139,6 +141,43 @@ def horovod_case(kind):
     return model, losses
 
 
+def autotune_cases() -> dict:
+    """Fits of the same model; whether each left a tuner behind (a 1-epoch fit is too short to settle)."""
+    from tfdist import autotune, buckets
+
+    def fit(epochs):
+        with strategy.scope():
+            model = build()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss_fn())
+        traces = []  # the step runs in Python only while a train function is traced
+        train_step = model.train_step
+        model.train_step = lambda data: traces.append(1) or train_step(data)
+        history = model.fit(x, y, batch_size=GLOBAL, epochs=epochs, shuffle=False, verbose=0)
+        return {"digest": digest(model), "losses": history.history["loss"], "traces": len(traces),
+                "tuning": isinstance(model.train_function, autotune.Tuner)}
+
+    os.environ[autotune.ENV_FILE] = os.path.join(out_dir, "autotune.json")
+    result = {"env_off": fit(1)}  # TFDIST_AUTOTUNE=0 from the test session
+    autotune.set_autotune(True)
+    result["on"] = fit(EPOCHS_TO_SETTLE)
+    choice = autotune.last_choice()
+    result["choice"] = {"setting": str(choice.setting), "steps": choice.steps, "rounds": list(choice.step_ms),
+                        "bucket_sizes": list(buckets.bucket_sizes())}
+    autotune._chosen.clear()  # as a later run would start: the chief's record decides, no tuning
+    result["reused"] = fit(1)
+    result["reused_choice"] = str(autotune.last_choice().setting) if autotune.last_choice() else None
+    tfdist.set_bucket_bytes(0)
+    result["one_pack"] = fit(EPOCHS_TO_SETTLE)
+    tfdist.set_bucket_bytes(1)  # explicit: never tuned
+    autotune._chosen.clear()
+    result["explicit"] = fit(1)
+    result["explicit_bucket_sizes"] = list(buckets.bucket_sizes())
+    return result
+
+
+# 4 steps an epoch, so 4 a call; 2 candidates x 2 rounds x 16 timed steps, and one untimed call each: 18 epochs
+EPOCHS_TO_SETTLE = 20
+
 CASES = {
     "fit": lambda: fit_case(lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
     "tape": lambda: tape_case(lambda: keras.optimizers.Adam(0.01)),
@@ -222,7 +261,7 @@ one_device = build()  # no strategy: the clipped reference a 2-worker run must e
 one_device.compile(keras.optimizers.SGD(0.05, momentum=0.9, global_clipnorm=CLIP), loss_fn())
 one_device.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
 payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_threads(),
-           "clip_one_device": [w.tolist() for w in one_device.get_weights()]}
+           "clip_one_device": [w.tolist() for w in one_device.get_weights()], "autotune": autotune_cases()}
 for name, case in CASES.items():
     for bucket_bytes in (1, 0):
         tfdist.set_bucket_bytes(bucket_bytes)

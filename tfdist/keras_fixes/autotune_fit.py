@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
 from tfdist import autotune, buckets, process_group
+from tfdist.keras_fixes import steps_per_execution
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -61,7 +62,9 @@ def _tuner(model, make_train_function, settings, group, key) -> autotune.Tuner:
         return function
 
     def steps_of(iterator, *args, **kwargs):
-        """K for a whole call; None for the shorter last call of an epoch."""
+        """K for a whole call, the steps left for the last call of an epoch; None for any other call."""
+        if isinstance(iterator, steps_per_execution.PartialExecution):
+            return iterator.steps
         full = isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
         return model.steps_per_execution if full else None
 
