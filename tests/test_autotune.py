@@ -30,6 +30,10 @@ def test_candidates_are_the_default_one_pack_and_settings_with_other_plans():
     assert len(set(plans)) == len(plans)
 
 
+def test_the_first_candidate_is_the_default_setting():
+    assert autotune.GRID[0] == (buckets.DEFAULT_BUCKET_BYTES, buckets.DEFAULT_FIRST_BUCKET_BYTES)
+
+
 def test_a_model_whose_plans_are_all_one_pack_has_one_candidate():
     assert autotune.candidates([40, 16], ["float32"] * 2) == [autotune.Setting(4 * MIB, 1 * MIB)]
 
@@ -44,9 +48,10 @@ class Steps:
         number = len(self.made)
         self.made.append(buckets.bucket_sizes())  # the setting current when the function is built (traced)
 
-        def function(iterator):
+        def function(steps):
             self.calls.append(number)
-            self.now += 4 * self.ms[number] / 1000 + (1.0 if self.calls.count(number) == 1 else 0.0)  # tracing
+            per_step = self.ms[number] * (1 if steps == 4 else 3) / 1000
+            self.now += 4 * per_step + (1.0 if self.calls.count(number) == 1 else 0.0)  # the first call traces
             return number
         return function
 
@@ -61,9 +66,9 @@ def run_tuner(monkeypatch, ms, chief_ms=None, calls=40):
         agreed.append(local)
         return chief_ms or local
 
-    tuner = autotune.Tuner(settings, fake.make, lambda iterator: None if iterator == "partial" else 4, agree,
-                           lambda *args: settled.append(args))
-    results = [tuner(None if i % 7 else "partial") for i in range(calls)]
+    tuner = autotune.Tuner(settings, fake.make, lambda steps: steps, agree, lambda *args: settled.append(args))
+    # every 5th call is an epoch's last, of 2 steps (the stand-ins charge it as 4 steps at 3x the time: not timed)
+    results = [tuner(2 if i % 5 == 4 else 4) for i in range(calls)]
     return fake, agreed, settled, results
 
 
@@ -73,11 +78,11 @@ def test_the_tuner_times_every_candidate_in_alternating_rounds_and_keeps_the_fas
     assert fake.made == [(4 * MIB, MIB), (0, 0), (4 * MIB, 4 * KIB)]
     order = [c for i, c in enumerate(fake.calls) if i == 0 or c != fake.calls[i - 1]]
     assert order == [0, 1, 2, 1, 0, 1]  # round 2 in reverse (2 twice in a row), then the chosen one for good
-    assert [round(ms, 3) for ms in agreed[0]] == [60.0, 50.0, 55.0]  # the tracing call is not timed
+    assert [round(ms, 3) for ms in agreed[0]] == [60.0, 50.0, 55.0]  # neither a first call nor an epoch's last
     setting, step_ms, steps, function = settled[0]
-    assert len(settled) == 1 and setting == autotune.Setting(0, 0) and function(None) == 1
+    assert len(settled) == 1 and setting == autotune.Setting(0, 0) and function(4) == 1
     assert [round(ms, 3) for ms in step_ms["one pack"]] == [50.0, 50.0]
-    assert steps <= 144  # settles within 144 steps (16 timed per turn, 3 candidates, 2 rounds, a first call each)
+    assert steps <= 144 + 12  # 16 timed per turn, 3 candidates, 2 rounds, a first call each; and the 2-step calls
 
 
 def test_every_worker_decides_on_the_chiefs_times(monkeypatch):

@@ -7,6 +7,8 @@ import pytest
 
 from tests.jobs import run_job
 
+pytestmark = pytest.mark.timeout(900)  # the main job runs about 25 fits: minutes on a loaded 2-core machine
+
 CASES = ("fit", "tape", "loss_scale_fit", "loss_scale_tape", "clip_fit", "clip_tape", "accumulation", "fp16",
          "hvd_optimizer", "hvd_tape")
 
@@ -14,7 +16,7 @@ CASES = ("fit", "tape", "loss_scale_fit", "loss_scale_tape", "clip_fit", "clip_t
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     # TFDIST_AUTOTUNE=0 as the suite sets it, here explicitly: the job checks that it keeps autotune off
-    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=300,
+    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=840,
                    env={"TFDIST_AUTOTUNE": "0"}).check().results
 
 
@@ -34,7 +36,7 @@ def test_autotune_settles_on_one_setting_on_every_worker_with_the_one_pack_weigh
     assert first["choice"]["setting"] == second["choice"]["setting"]
     assert first["choice"]["bucket_sizes"] == second["choice"]["bucket_sizes"]
     assert first["choice"]["rounds"] == ["buckets 4 MiB, first 1 MiB", "buckets 4 MiB, first 4 KiB"]
-    assert 0 < first["choice"]["steps"] <= 80  # 18 calls of 4 steps
+    assert 0 < first["choice"]["steps"] <= 120  # within the 6 epochs of 20 steps
     assert first["on"]["tuning"] is False  # settled: Keras calls the chosen function itself
     assert first["on"]["traces"] == 2 * first["one_pack"]["traces"] > 0  # one trace per candidate, not per switch
     for worker in (first, second):

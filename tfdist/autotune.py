@@ -38,9 +38,10 @@ from tfdist import atomic_files, buckets, cluster
 ENV = cluster.ENV_AUTOTUNE
 ENV_FILE = cluster.ENV_AUTOTUNE_FILE
 KIB, MIB = 1 << 10, 1 << 20
-# (bucket_bytes, first_bucket_bytes) tried, in order of preference; only those giving distinct
-# plans for the model's gradients count, at most MAX_CANDIDATES of them.
-GRID = ((buckets.DEFAULT_BUCKET_BYTES, buckets.DEFAULT_FIRST_BUCKET_BYTES), (0, 0), (4 * MIB, 4 * KIB),
+# (bucket_bytes, first_bucket_bytes) tried, in order of preference (first: tfdist.buckets' defaults, spelled
+# out: buckets may still be importing when this module is); only those giving distinct plans for the model's
+# gradients count, at most MAX_CANDIDATES of them.
+GRID = ((4 * MIB, 1 * MIB), (0, 0), (4 * MIB, 4 * KIB),
         (256 * KIB, 4 * KIB), (16 * MIB, 4 * MIB), (1 * MIB, 256 * KIB))
 MAX_CANDIDATES = 3
 TURN_STEPS = 16  # steps timed per candidate and round (whole calls: at least this many)
@@ -138,6 +139,16 @@ def last_choice() -> Choice | None:
     return list(_chosen.values())[-1] if _chosen else None
 
 
+def status(train_function) -> str | None:
+    """One line for a report (``tfdist bench``): the choice, or how far a tuner still measuring got; None when
+    autotune did not run (off, a bucket size of yours, one worker)."""
+    if isinstance(train_function, Tuner):
+        return (f"tfdist autotune: still measuring after {train_function.steps_run} steps "
+                f"({', '.join(map(str, train_function.settings))}); the default buckets apply until it settles")
+    choice = last_choice()
+    return choice.describe() if choice else None
+
+
 def file_path(environ: Mapping[str, str] | None = None) -> str:
     """Where the chief records its choices: ``TFDIST_AUTOTUNE_FILE``, else ``~/.cache/tfdist/autotune.json``."""
     environ = os.environ if environ is None else environ
@@ -189,7 +200,7 @@ class Tuner:
         settings: the candidates (``candidates()``), the same on every worker.
         make_function: builds a new train function (traced on its first call, with the
             bucket setting current then).
-        steps_of: the training steps a call with these arguments runs (None: do not time it).
+        steps_of: the training steps a call with these arguments runs (None: unknown, not timed).
         agree: the chief's ms per step (one per candidate) for every worker (a broadcast).
         settle: called once with the choice and the chosen function.
     """
@@ -204,7 +215,7 @@ class Tuner:
         self._functions: dict[int, Callable] = {}
         self._seconds = [[0.0] * ROUNDS for _ in self.settings]
         self._steps = [[0] * ROUNDS for _ in self.settings]
-        self._turn = self._timed_this_turn = self._steps_run = 0
+        self._turn = self._timed_this_turn = self.steps_run = self._most = 0
         self._chosen: Callable | None = None
 
     def __call__(self, *args, **kwargs):
@@ -220,8 +231,11 @@ class Tuner:
         start = time.perf_counter()
         result = self._functions[candidate](*args, **kwargs)
         seconds = time.perf_counter() - start
-        self._steps_run += steps or 0
-        if steps and not first_call:  # the first call traces: not a steady-state step
+        self.steps_run += steps or 0
+        self._most = max(self._most, steps or 0)
+        # Timed: whole calls (the most steps a call ran: not an epoch's shorter last call, whose per-call cost
+        # weighs more per step), after the first call of a candidate (it traces).
+        if steps and steps == self._most and not first_call:
             rounds = self._turn // len(self.settings)
             self._seconds[candidate][rounds] += seconds
             self._steps[candidate][rounds] += steps
@@ -240,7 +254,7 @@ class Tuner:
                    for c, s in enumerate(self.settings)}
         self._chosen = self._functions[best]
         self._functions.clear()
-        self._settle(self.settings[best], step_ms, self._steps_run, self._chosen)
+        self._settle(self.settings[best], step_ms, self.steps_run, self._chosen)
 
 
 def _size(nbytes: int) -> str:
