@@ -103,7 +103,7 @@ class Choice:
     key: str
 
     def describe(self) -> str:
-        """One line: the choice, then each candidate's median ms per step."""
+        """One line: the choice, then each candidate's ms per step in each round."""
         if not self.step_ms:
             return f"tfdist autotune: {self.setting} (recorded in {file_path()})"
         times = "; ".join(f"{name} {', '.join(f'{ms:.1f}' for ms in rounds)}" for name, rounds in self.step_ms.items())

@@ -142,13 +142,23 @@ def horovod_case(kind):
 
 
 def autotune_cases() -> dict:
-    """Fits of the same model; whether each left a tuner behind (a 1-epoch fit is too short to settle)."""
+    """Two fits that train (autotune on, one pack) and, for the switches, whether Keras' train function would tune."""
     from tfdist import autotune, buckets
 
-    def fit(epochs):
+    def compiled():
         with strategy.scope():
             model = build()
             model.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss_fn())
+        return model
+
+    def tunes() -> bool:
+        """Whether fit would tune: the train function it makes is a tuner (made, not traced: no step runs)."""
+        model = compiled()
+        model.make_train_function()
+        return isinstance(model.train_function, autotune.Tuner)
+
+    def fit(epochs):
+        model = compiled()
         traces = []  # the step runs in Python only while a train function is traced
         train_step = model.train_step
         model.train_step = lambda data: traces.append(1) or train_step(data)
@@ -158,20 +168,22 @@ def autotune_cases() -> dict:
                 "tuning": isinstance(model.train_function, autotune.Tuner)}
 
     os.environ[autotune.ENV_FILE] = os.path.join(out_dir, "autotune.json")
-    result = {"env_off": fit(1)}  # TFDIST_AUTOTUNE=0 from the test session
+    result = {"env_off_tunes": tunes()}  # TFDIST_AUTOTUNE=0 from the test
     autotune.set_autotune(True)
+    result["on_tunes"] = tunes()
     result["on"] = fit(EPOCHS_TO_SETTLE)
     choice = autotune.last_choice()
     result["choice"] = {"setting": str(choice.setting), "steps": choice.steps, "rounds": list(choice.step_ms),
                         "bucket_sizes": list(buckets.bucket_sizes())}
     autotune._chosen.clear()  # as a later run would start: the chief's record decides, no tuning
-    result["reused"] = fit(1)
-    result["reused_choice"] = str(autotune.last_choice().setting) if autotune.last_choice() else None
+    result["reused_tunes"] = tunes()
+    reused = autotune.last_choice()
+    result["reused_choice"] = {"setting": str(reused.setting), "steps": reused.steps} if reused else None
     tfdist.set_bucket_bytes(0)
     result["one_pack"] = fit(EPOCHS_TO_SETTLE)
     tfdist.set_bucket_bytes(1)  # explicit: never tuned
     autotune._chosen.clear()
-    result["explicit"] = fit(1)
+    result["explicit_tunes"] = tunes()
     result["explicit_bucket_sizes"] = list(buckets.bucket_sizes())
     return result
 
