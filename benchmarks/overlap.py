@@ -12,22 +12,25 @@ runs both workers in one namespace over 127.0.0.1 instead, as benchmarks/scaling
 The job: the small CNN of benchmarks/scaling.py (1.27 MB of float32 gradients), batch 64
 per worker, synthetic data (tf.data autotune off), Keras ``fit`` under ``tfdist.scope()``,
 every worker pinned to its own core with one intra-op thread. Setups, one ``tfdist run``
-job each, in alternating order every round:
+job each, in alternating order every round (``--setups`` picks; ``--list`` prints them all):
 
 * ``1 worker``: the baseline, in the first namespace;
-* ``before``: 2 workers as tfdist was before issue 22: every gradient in one all-reduce
-  after the backward pass (``TFDIST_BUCKET_BYTES=0``), TensorFlow's default single inter-op
-  thread on a one-core worker, its default CPU allocator
-  (``TF_CPU_ALLOCATOR_USE_BFC=false``) and a 600 s collective timeout;
-* ``one-pack``: the same with today's allocator and no timeout: one all-reduce after the
-  backward pass, one inter-op thread;
-* ``overlap``: 2 workers with tfdist's defaults (buckets, last layers first, overlapping
-  the backward pass; 2 inter-op threads);
-* ``... fp16``: ``DistributedOptimizer(compression=Compression.fp16)`` (half the bytes);
-* ``... accum4``: ``DistributedOptimizer(backward_passes_per_step=4)``.
+* ``defaults``: 2 workers with tfdist's defaults: autotune picks the bucket setting in the
+  warm-up steps (``tfdist.autotune``; a fresh record file per job, so every job measures);
+* ``fixed one-pack``, ``fixed 4M/1M`` (the buckets before autotune), ``fixed 4M/4K``, ...:
+  2 workers, autotune off, one fixed exact setting each (every entry of
+  ``tfdist.autotune.GRID``, bucket/first bucket), 2 inter-op threads as tfdist sets them;
+* ``one-pack 1 thread``: one all-reduce after the backward pass and TensorFlow's single
+  inter-op thread on a one-core worker (the fastest fp16 setup in RESULTS.md);
+* ``before``: tfdist as it was before issue 22 (one pack, 1 inter-op thread,
+  ``TF_CPU_ALLOCATOR_USE_BFC=false``, a 600 s collective timeout);
+* a `` fp16`` suffix: ``DistributedOptimizer(compression=Compression.fp16)``; `` accum4``:
+  ``DistributedOptimizer(backward_passes_per_step=4)``.
 
-Prints images/s of the whole job and the ratio to the 1-worker job of the same round for
-every round; the medians; each worker's CPU per step (process time) and the ceiling it
+Every setup trains ``WARMUP_STEPS`` steps (tracing, and autotune settling) before the timed
+steps. Prints images/s of the whole job and the ratio to the 1-worker job of the same round for
+every round; the medians; ``defaults`` against the best fixed setting of the same run (the
+issue's goal: >= 0.97) and what autotune chose in each round; each worker's CPU per step (process time) and the ceiling it
 sets, 2 x (1-worker step) / (2-worker CPU per step): no schedule can beat it with both
 cores fully busy; and, from a profiler trace of 16 steps on worker 0 in round 1, the
 collective time per step that ran under compute (hidden) and alone (exposed).
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -49,16 +53,60 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 64
 PORT = 29700
-SETUPS = {  # name: (workers, overlap, fp16, backward passes per step)
-    "1 worker": (1, True, False, 1),
-    "before": (2, False, False, 1),
-    "one-pack": (2, False, False, 1),
-    "overlap": (2, True, False, 1),
-    "one-pack fp16": (2, False, True, 1),
-    "overlap fp16": (2, True, True, 1),
-    "one-pack accum4": (2, False, False, 4),
-    "overlap accum4": (2, True, False, 4),
-}
+KIB, MIB = 1 << 10, 1 << 20
+WARMUP_STEPS = 160  # tracing, then autotune's 3 candidates x (a first call + 2 timed rounds) of 16 steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    workers: int = 2
+    buckets: tuple[int, int] | None = None  # (bucket_bytes, first): fixed, autotune off; None: tfdist's defaults
+    one_thread: bool = False                # 1 inter-op thread (TensorFlow's default on one core)
+    fp16: bool = False
+    passes: int = 1                         # backward passes per step
+    before: bool = False                    # tfdist before issue 22
+
+
+def _short(nbytes: int) -> str:
+    return f"{nbytes // MIB}M" if nbytes >= MIB else f"{nbytes // KIB}K"
+
+
+@functools.cache
+def setups() -> dict[str, Setup]:
+    """Every setup by name (imports tfdist, so TensorFlow: call it after pinning the process)."""
+    from tfdist import autotune
+
+    fixed = {("fixed one-pack" if b == 0 else f"fixed {_short(b)}/{_short(f)}"): Setup(buckets=(b, f))
+             for b, f in autotune.GRID}
+    base = {"defaults": Setup(), **fixed, "one-pack 1 thread": Setup(buckets=(0, 0), one_thread=True)}
+    setups = {"1 worker": Setup(workers=1), "before": Setup(buckets=(0, 0), one_thread=True, before=True), **base}
+    setups.update({f"{name} fp16": dataclasses.replace(setup, fp16=True) for name, setup in base.items()})
+    setups.update({f"{name} accum4": dataclasses.replace(setup, passes=4) for name, setup in base.items()})
+    return setups
+
+
+def build_model():
+    """The small CNN of benchmarks/scaling.py (1.27 MB of float32 gradients)."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+
+
+def default_setups() -> list[str]:
+    """1 worker, the defaults, the fixed float32 settings that bucket this CNN's gradients differently, one pack
+    with 1 inter-op thread."""
+    from tfdist import buckets
+
+    sizes = [int(v.shape.num_elements()) * 4 for v in build_model().trainable_variables]
+    plans = {}
+    for name, setup in setups().items():
+        if name.startswith("fixed") and not setup.fp16 and setup.passes == 1:
+            plans.setdefault(repr(buckets.plan(sizes, *setup.buckets)), name)
+    return ["1 worker", "defaults", *plans.values(), "one-pack 1 thread"]
 TRACE_STEPS = 16
 
 
@@ -66,43 +114,44 @@ def worker(args: argparse.Namespace) -> None:
     """One worker: train the setup's model, time ``args.steps`` steps; the chief writes result.json."""
     rank = int(os.environ["TFDIST_WORKER_INDEX"])
     os.sched_setaffinity(0, {rank % os.cpu_count()})
-    workers, overlap, fp16, passes = SETUPS[args.job]
-    if not overlap:
-        os.environ["TFDIST_BUCKET_BYTES"] = "0"
+    setup = setups()[args.job]
     strategy_options = {}
-    if args.job == "before":
+    if setup.before:
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "false"
         strategy_options["collective_timeout"] = 600
+    if setup.buckets is None:  # tfdist's defaults: autotune, measuring afresh in every job
+        os.environ.update(TFDIST_AUTOTUNE="1", TFDIST_AUTOTUNE_FILE=os.path.join(args.out, f"autotune{rank}.json"))
     import keras
     import tensorflow as tf
 
     import tfdist
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    if not overlap:
+    if setup.one_thread:
         tf.config.threading.set_inter_op_parallelism_threads(1)  # TensorFlow's default on one core
+    if setup.buckets is not None:
+        tfdist.set_bucket_bytes(*setup.buckets)
     strategy = tfdist.get_strategy(**strategy_options)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+        model = build_model()
         optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
-        if fp16 or passes > 1:
+        if setup.fp16 or setup.passes > 1:
             optimizer = tfdist.DistributedOptimizer(
-                optimizer, backward_passes_per_step=passes,
-                compression=tfdist.Compression.fp16 if fp16 else tfdist.Compression.none)
+                optimizer, backward_passes_per_step=setup.passes,
+                compression=tfdist.Compression.fp16 if setup.fp16 else tfdist.Compression.none)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    global_batch = BATCH * workers
+    global_batch = BATCH * setup.workers
     images = tf.random.stateless_uniform((global_batch, 32, 32, 3), seed=(1, 2))
     labels = tf.random.stateless_uniform((global_batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
     options = tf.data.Options()
     options.autotune.enabled = False  # one core each (RESULTS.md: autotune's thread costs a pinned worker)
     data = tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(options)
-    model.fit(data, epochs=1, steps_per_epoch=32, verbose=0)  # tracing, warm-up
-    result = {}
-    if args.trace and workers > 1:
+    model.fit(data, epochs=1, steps_per_epoch=WARMUP_STEPS, verbose=0)  # tracing, autotune, warm-up
+    from tfdist import autotune
+
+    choice = autotune.last_choice()
+    result = {"autotune": str(choice.setting) if choice else None}
+    if args.trace and setup.workers > 1:
         from tfdist.bench import trace
 
         logdir = tempfile.mkdtemp(prefix="tfdist-trace-")
@@ -124,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_job(setup: str, hosts, args: argparse.Namespace, trace: bool, port: int) -> dict:
     """One ``tfdist run`` job of ``setup``; returns the chief's result."""
-    workers = SETUPS[setup][0]
+    workers = setups()[setup].workers
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_TOKEN": "benchmark"}
     with tempfile.TemporaryDirectory() as out:
         job = [sys.executable, str(pathlib.Path(__file__).resolve()), "--job", setup, "--out", out,
@@ -171,7 +220,7 @@ def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> N
     link = "loopback (127.0.0.1, one namespace)" if args.link == "loopback" else (
         f"veth between 2 namespaces, {'unshaped' if args.rate == 'none' else 'tbf ' + args.rate + ' both ends'}")
     print(f"\n{link}; {args.steps} timed steps; images/s of the whole job (ratio to '1 worker' of the same round)")
-    print(f"{'setup':<17}{'ratio median':>13}{'cpu/step':>10}{'ceiling':>9}{'of ceiling':>11}   every round")
+    print(f"{'setup':<24}{'ratio median':>13}{'cpu/step':>10}{'ceiling':>9}{'of ceiling':>11}   every round")
     for setup in setups:
         runs = [r[setup] for r in rounds]
         ratios = [r[setup]["images_per_sec"] / r["1 worker"]["images_per_sec"] for r in rounds]
@@ -180,7 +229,9 @@ def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> N
         ratio, ceiling = statistics.median(ratios), statistics.median(ceilings)
         cpu = statistics.median(run["cpu_ms"] for run in runs)
         tail = "" if setup == "1 worker" else f"{ceiling:>9.2f}{ratio / ceiling:>11.2f}"
-        print(f"{setup:<17}{ratio:>13.2f}{cpu:>10.1f}{tail or '':>20}   {cells}")
+        print(f"{setup:<24}{ratio:>13.2f}{cpu:>10.1f}{tail or '':>20}   {cells}")
+    for suffix in ("", " fp16", " accum4"):
+        against_best(rounds, setups, suffix)
     bits = rate_bits(args.rate) if args.link == "veth" else None
     first = rounds[0]
     gradient_bytes = first[setups[-1]]["gradient_bytes"]
@@ -193,8 +244,26 @@ def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> N
         print(f"round 1, profiler trace of {TRACE_STEPS} steps on worker 0, ms per step:")
         for setup in traced:
             t = first[setup]["trace"]
-            print(f"  {setup:<17} step {first[setup]['step_ms']:.1f}: all-reduce {t['collective_ms']:.1f} = "
+            print(f"  {setup:<24} step {first[setup]['step_ms']:.1f}: all-reduce {t['collective_ms']:.1f} = "
                   f"{t['hidden_ms']:.1f} hidden under compute + {t['exposed_ms']:.1f} exposed")
+
+
+def against_best(rounds: list[dict], setups: list[str], suffix: str) -> None:
+    """``defaults<suffix>`` against the best fixed setting of the same precision (median ratios), and its choices."""
+    defaults = f"defaults{suffix}"
+    fixed = [s for s in setups if s.endswith(suffix) and (s.startswith("fixed") or s.startswith("one-pack 1 thread"))
+             and s.count(" fp16") == suffix.count(" fp16") and s.count(" accum4") == suffix.count(" accum4")]
+    if defaults not in setups or not fixed:
+        return
+    ratio = lambda setup: statistics.median(r[setup]["images_per_sec"] / r["1 worker"]["images_per_sec"]  # noqa: E731
+                                            for r in rounds)
+    for label, pool in (("fixed, 2 inter-op threads", [s for s in fixed if "1 thread" not in s]), ("any fixed", fixed)):
+        if pool:
+            best = max(pool, key=ratio)
+            print(f"{defaults} / best {label} ({best}): {ratio(defaults) / ratio(best):.3f} (medians); each round: "
+                  + ", ".join(f"{r[defaults]['images_per_sec'] / r[best]['images_per_sec']:.2f}" for r in rounds))
+    print(f"{defaults}: autotune chose " + "; ".join(f"round {i + 1} {r[defaults].get('autotune')}"
+                                                      for i, r in enumerate(rounds)))
 
 
 def main() -> None:
@@ -203,7 +272,9 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="tbf rate on both veth ends (e.g. 2gbit, 500mbit) or none")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=192)
-    parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of: " + ", ".join(SETUPS))
+    parser.add_argument("--setups", help="comma-separated setups (default: 1 worker, defaults, every fixed float32 "
+                                         "setting, one-pack 1 thread); --list names them all")
+    parser.add_argument("--list", action="store_true", help="print every setup's name and exit")
     parser.add_argument("--no-trace", dest="trace_round", action="store_false", help="skip the round-1 trace")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -212,10 +283,13 @@ def main() -> None:
     if args.job:
         worker(args)
         return
-    setups = args.setups.split(",")
-    if "1 worker" not in setups or set(setups) - set(SETUPS):
-        sys.exit(f"--setups must name '1 worker' and only these: {', '.join(SETUPS)}; received {setups}.")
     sys.path.insert(0, str(REPO))
+    if args.list:
+        print("\n".join(setups()))
+        return
+    chosen = args.setups.split(",") if args.setups else default_setups()
+    if "1 worker" not in chosen or set(chosen) - set(setups()):
+        sys.exit(f"--setups must name '1 worker' and only these: {', '.join(setups())}; received {chosen}.")
     from tests import netns
 
     reason = netns.unavailable()
@@ -227,15 +301,15 @@ def main() -> None:
             shape(hosts, args.rate)
         port = PORT
         for number in range(args.rounds):
-            order = setups if number % 2 == 0 else setups[::-1]
+            order = chosen if number % 2 == 0 else chosen[::-1]
             results = {}
             for setup in order:
                 port += 1
                 results[setup] = run_job(setup, hosts, args, trace=args.trace_round and number == 0, port=port)
             rounds.append(results)
             print(f"round {number + 1}: " + ", ".join(
-                f"{s} {results[s]['images_per_sec']:.0f}" for s in setups), flush=True)
-    report(rounds, setups, args)
+                f"{s} {results[s]['images_per_sec']:.0f}" for s in chosen), flush=True)
+    report(rounds, chosen, args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ import os
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet start-up logs, here and in worker jobs
+# Multi-worker fits keep the default buckets: autotune would trace each fit's step for every candidate
+# and share a record file between tests. Its own tests turn it on (tests/test_autotune*.py, buckets_job.py).
+os.environ.setdefault("TFDIST_AUTOTUNE", "0")
 
 LOGICAL_CPUS = 4
 

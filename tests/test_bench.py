@@ -16,11 +16,11 @@ TINY = ["--model", "small_cnn", "--image-size", "16", "--batch-size", "8", "--ep
         "--steps-per-epoch", "2", "--mock-examples", "32", "--shards", "2"]
 
 
-def bench(*args, launcher=()):
+def bench(*args, launcher=(), env=None):
     """Runs `tfdist bench` (under `tfdist run LAUNCHER` when given); returns its stdout."""
     cli = [sys.executable, "-m", "tfdist.cli", "bench", *TINY, *args]
     command = [sys.executable, "-m", "tfdist.run", *launcher, "--", *cli] if launcher else cli
-    result = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    result = subprocess.run(command, env=job_env(env), capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
 
@@ -67,7 +67,8 @@ def test_input_mode_says_whether_the_job_is_input_bound(tmp_path):
 
 def test_multi_worker_bench_profiles_the_step_under_the_launcher(tmp_path):
     stdout = bench("--source", "synthetic", "--strategy", "multi_worker", "--mode", "profile",
-                   "--json", str(tmp_path / "mw.json"), launcher=("-n", "2", "--timeout", str(TIMEOUT)))
+                   "--json", str(tmp_path / "mw.json"), launcher=("-n", "2", "--timeout", str(TIMEOUT)),
+                   env={"TFDIST_AUTOTUNE": "1", "TFDIST_AUTOTUNE_FILE": str(tmp_path / "autotune.json")})
     assert "random tensors in memory" not in stdout  # the local orchestrator did not run
     report = json.loads((tmp_path / "mw.json").read_text())
     assert report["runs"][0]["replicas"] == 2 and report["runs"][0]["strategy"] == "CollectiveAllReduceStrategy"
@@ -80,3 +81,6 @@ def test_multi_worker_bench_profiles_the_step_under_the_launcher(tmp_path):
     assert hidden + exposed > 0  # the trace found the gradient all-reduces of the training steps
     assert report["table"][0]["exposed_ms"] == pytest.approx(exposed, abs=0.06)
     assert report["table"][0]["allreduce_ms"] == pytest.approx(allreduce, abs=0.06)
+    # 4 steps are too few for autotune to settle: the report says so (tfdist.autotune)
+    assert re.search(r"\[0\] tfdist autotune: still measuring after \d+ steps \(buckets 4 MiB, first 1 MiB, ", stdout)
+    assert report["runs"][0]["autotune"].startswith("tfdist autotune: still measuring")

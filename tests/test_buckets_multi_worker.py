@@ -1,20 +1,23 @@
 """Gradient buckets on 2 real workers: the weights equal the one-pack path bit for bit, in fit, a custom
-loop, loss scaling, accumulation, fp16 and tfdist.horovod; the first bucket does not wait for the whole
-backward pass."""
+loop, loss scaling, accumulation, fp16 and tfdist.horovod, and with autotune; the first bucket does not wait for the
+whole backward pass."""
 
 import numpy as np
 import pytest
 
 from tests.jobs import run_job
 
-pytestmark = pytest.mark.timeout(480)  # the first test waits for the shared job (run_job's 420 s)
+pytestmark = pytest.mark.timeout(1200)  # the main job runs about 25 fits: 14 minutes at a load average of 20
+
 CASES = ("fit", "tape", "loss_scale_fit", "loss_scale_tape", "clip_fit", "clip_tape", "accumulation", "fp16",
          "hvd_optimizer", "hvd_tape")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=420).check().results
+    # TFDIST_AUTOTUNE=0 as the suite sets it, here explicitly: the job checks that it keeps autotune off
+    return run_job("buckets_job.py", tmp_path_factory.mktemp("buckets"), timeout=1140,
+                   env={"TFDIST_AUTOTUNE": "0"}).check().results
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -24,6 +27,31 @@ def test_buckets_give_the_one_pack_weights_bit_for_bit_on_every_worker(job, case
     assert bucketed["digest"] == one_pack["digest"]
     assert bucketed["digest"] == second[f"{case}/1"]["digest"]  # identical across workers
     assert bucketed["losses"] == one_pack["losses"] and bucketed["losses"][-1] < bucketed["losses"][0]
+
+
+def test_autotune_settles_on_one_setting_on_every_worker_with_the_one_pack_weights(job):
+    """On (set_autotune(True)): 2 candidates for this model, each traced once, timed in 2 rounds; every worker
+    picks the same, and the weights and losses equal one pack's bit for bit on both workers."""
+    first, second = job[0]["autotune"], job[1]["autotune"]
+    assert first["choice"]["setting"] == second["choice"]["setting"]
+    assert first["choice"]["bucket_sizes"] == second["choice"]["bucket_sizes"]
+    assert first["choice"]["rounds"] == ["buckets 4 MiB, first 1 MiB", "buckets 4 MiB, first 4 KiB"]
+    assert 0 < first["choice"]["steps"] <= 120  # within the 6 epochs of 20 steps
+    assert first["on"]["tuning"] is False  # settled: Keras calls the chosen function itself
+    assert first["on"]["traces"] == 2 * first["one_pack"]["traces"] > 0  # one trace per candidate, not per switch
+    for worker in (first, second):
+        assert worker["on"]["digest"] == first["one_pack"]["digest"]
+        assert worker["on"]["losses"] == first["one_pack"]["losses"]
+
+
+def test_autotune_stays_off_when_asked_or_when_you_set_the_buckets_and_reuses_the_chiefs_record(job):
+    for worker in job.values():
+        result = worker["autotune"]
+        assert result["on_tunes"] is True  # the probe: fit's train function is a tuner while autotune is on
+        assert result["env_off_tunes"] is False  # TFDIST_AUTOTUNE=0
+        assert result["explicit_tunes"] is False and result["explicit_bucket_sizes"] == [1, 1]
+        assert result["reused_tunes"] is False  # the chief's record, broadcast: no measuring
+        assert result["reused_choice"] == {"setting": result["choice"]["setting"], "steps": 0}
 
 
 @pytest.mark.parametrize("case, counter, fewer", [

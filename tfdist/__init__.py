@@ -19,7 +19,8 @@ checks it, imports inside functions included):
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
    ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
    ``launch/*``);
-1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``compression``, ``fusion``, ``devices``
+1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``autotune`` (picks their setting from
+   measured steps), ``compression``, ``fusion``, ``devices``
    (device specs, GPU pinning, threads), ``watchdog`` (the hang watchdog);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
@@ -63,6 +64,7 @@ _EXPORTS = {
     "DistributedOptimizer": "tfdist.optimizer",
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",
+    "set_autotune": "tfdist.autotune",
 }
 # submodules reachable as attributes before their first import (tfdist.callbacks.X)
 _SUBMODULES = ("callbacks", "compression", "data", "horovod", "precision")

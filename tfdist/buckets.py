@@ -19,7 +19,8 @@ one element may be added in another order (float rounding), identically on every
     tfdist.set_bucket_bytes(0)         # one all-reduce after the backward pass (Keras' way)
 
 ``TFDIST_BUCKET_BYTES`` in the environment sets the process's starting value (``tfdist
-run`` passes it to every worker, over ssh too).
+run`` passes it to every worker, over ssh too). Without either, ``tfdist.autotune`` picks
+the setting while ``fit`` runs (``use_tuned``); a setting of yours is never tuned.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 DEFAULT_FIRST_BUCKET_BYTES = 1 << 20
 ENV = cluster.ENV_BUCKET_BYTES
 
-_settings: dict[str, int] = {}
+_settings: dict[str, int] = {}  # set_bucket_bytes' or the environment's: the user's, never tuned
+_tuned: tuple[int, int] | None = None  # tfdist.autotune's, used when the user set nothing
 _agreed: set[tuple] = set()  # (group ranks, sizes) already compared across the group
 
 
@@ -62,21 +64,33 @@ def set_bucket_bytes(bucket_bytes: int, first_bucket_bytes: int | None = None) -
 
 
 def bucket_sizes() -> tuple[int, int]:
-    """(bucket_bytes, first_bucket_bytes) for this process: ``set_bucket_bytes``, else the environment."""
+    """(bucket_bytes, first_bucket_bytes) for this process: ``set_bucket_bytes``, the environment, autotune's
+    choice, else the defaults."""
+    if not explicit():
+        return _tuned or (DEFAULT_BUCKET_BYTES, DEFAULT_FIRST_BUCKET_BYTES)
     if not _settings:
-        raw = os.environ.get(ENV, "").strip()
-        value = DEFAULT_BUCKET_BYTES
-        if raw:
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ValueError(f"{ENV}={raw!r} is not a whole number of bytes; set it to e.g. {DEFAULT_BUCKET_BYTES} "
-                                 "(4 MiB buckets) or 0 (one all-reduce per step), or unset it.") from None
+        raw = os.environ[ENV].strip()
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{ENV}={raw!r} is not a whole number of bytes; set it to e.g. {DEFAULT_BUCKET_BYTES} "
+                             "(4 MiB buckets) or 0 (one all-reduce per step), or unset it.") from None
         try:
             set_bucket_bytes(value)
         except ValueError as error:
             raise ValueError(f"{ENV}: {error}") from None
     return _settings["bucket_bytes"], _settings["first_bucket_bytes"]
+
+
+def explicit() -> bool:
+    """Whether the user chose the bucket sizes (``set_bucket_bytes`` or ``TFDIST_BUCKET_BYTES``): autotune keeps off."""
+    return bool(_settings) or bool(os.environ.get(ENV, "").strip())
+
+
+def use_tuned(bucket_bytes: int, first_bucket_bytes: int) -> None:
+    """``tfdist.autotune``'s setting, used by steps traced from now on unless the user chose one."""
+    global _tuned
+    _tuned = (bucket_bytes, first_bucket_bytes)
 
 
 def plan(sizes: Sequence[int], bucket_bytes: int | None = None,

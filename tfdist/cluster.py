@@ -50,6 +50,9 @@ ENV_HOROVOD = "TFDIST_HOROVOD"
 ENV_SLURM_PORT = "TFDIST_PORT"
 # Gradient bucket size in bytes, read by tfdist.buckets (0: one all-reduce per step); every worker needs the same.
 ENV_BUCKET_BYTES = "TFDIST_BUCKET_BYTES"
+# "0": no autotuning of the gradient buckets (tfdist.autotune); and where the chief records its choice.
+ENV_AUTOTUNE = "TFDIST_AUTOTUNE"
+ENV_AUTOTUNE_FILE = "TFDIST_AUTOTUNE_FILE"
 # Seconds a worker may wait in a collective before tfdist.watchdog stops the job (0: never); and the
 # exit code of a worker it stops (tfdist run --hang-timeout sets the variable in every worker).
 ENV_HANG_TIMEOUT = "TFDIST_HANG_TIMEOUT"

@@ -1,10 +1,12 @@
 """2 workers: training with gradient buckets (every gradient its own all-reduce) against one pack.
 
-argv: OUT_DIR [mismatch]. Each case trains the same model from the same weights twice, with
+argv: OUT_DIR [mismatch]. First issue 28's cases (below), then autotune (``tfdist.autotune``): off by TFDIST_AUTOTUNE=0 (the
+suite's), then on until it settles, against one pack; off under an explicit bucket size; a later run's reuse of the
+chief's record. Then each case trains the same model from the same weights twice, with
 ``tfdist.set_bucket_bytes(1)`` and with 0, and writes both results, how many all-reduce calls
 the optimizer made, and (custom loop) whether the first bucket's collective waits for the first
 layer's gradient. With ``mismatch``, worker 1 alone uses buckets: its fit must fail.
-Before those cases, with the default buckets, issue 28's cases, each beside its one-device weights
+Issue 28's cases run first, with the default buckets, each beside its one-device weights
 (``EXACTNESS``, under the key "exactness"): a MultiOptimizer under mixed_float16, a float64 layer, an Embedding with a
 partial last batch, Keras' accumulation with use_ema's overwrite.
 """
@@ -139,6 +141,56 @@ def horovod_case(kind):
     return model, losses
 
 
+def autotune_cases() -> dict:
+    """Two fits that train (autotune on, one pack) and, for the switches, whether Keras' train function would tune."""
+    from tfdist import autotune, buckets
+
+    def compiled():
+        with strategy.scope():
+            model = build()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), loss_fn())
+        return model
+
+    def tunes() -> bool:
+        """Whether fit would tune: the train function it makes is a tuner (made, not traced: no step runs)."""
+        model = compiled()
+        model.make_train_function()
+        return isinstance(model.train_function, autotune.Tuner)
+
+    def fit(epochs):
+        model = compiled()
+        traces = []  # the step runs in Python only while a train function is traced
+        train_step = model.train_step
+        model.train_step = lambda data: traces.append(1) or train_step(data)
+        history = model.fit(np.tile(x, (5, 1, 1, 1)), np.tile(y, 5), batch_size=GLOBAL, epochs=epochs, shuffle=False,
+                            verbose=0)
+        return {"digest": digest(model), "losses": history.history["loss"], "traces": len(traces),
+                "tuning": isinstance(model.train_function, autotune.Tuner)}
+
+    os.environ[autotune.ENV_FILE] = os.path.join(out_dir, "autotune.json")
+    result = {"env_off_tunes": tunes()}  # TFDIST_AUTOTUNE=0 from the test
+    autotune.set_autotune(True)
+    result["on_tunes"] = tunes()
+    result["on"] = fit(EPOCHS_TO_SETTLE)
+    choice = autotune.last_choice()
+    result["choice"] = {"setting": str(choice.setting), "steps": choice.steps, "rounds": list(choice.step_ms),
+                        "bucket_sizes": list(buckets.bucket_sizes())}
+    autotune._chosen.clear()  # as a later run would start: the chief's record decides, no tuning
+    result["reused_tunes"] = tunes()
+    reused = autotune.last_choice()
+    result["reused_choice"] = {"setting": str(reused.setting), "steps": reused.steps} if reused else None
+    tfdist.set_bucket_bytes(0)
+    result["one_pack"] = fit(EPOCHS_TO_SETTLE)
+    tfdist.set_bucket_bytes(1)  # explicit: never tuned
+    autotune._chosen.clear()
+    result["explicit_tunes"] = tunes()
+    result["explicit_bucket_sizes"] = list(buckets.bucket_sizes())
+    return result
+
+
+# 20 steps an epoch (calls of 16 and 4): 2 candidates x 2 rounds x 16 timed steps, and an untimed first call each
+EPOCHS_TO_SETTLE = 6
+
 CASES = {
     "fit": lambda: fit_case(lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
     "tape": lambda: tape_case(lambda: keras.optimizers.Adam(0.01)),
@@ -219,7 +271,8 @@ payload = {"inter_op_threads": tf.config.threading.get_inter_op_parallelism_thre
            "clip_one_device": [w.tolist() for w in one_device.get_weights()],
            "exactness": {name: {"two_workers": exactness_case(*case, distributed=True),  # default buckets: first
                                 "one_device": exactness_case(*case, distributed=False)}
-                         for name, case in EXACTNESS.items()}}
+                         for name, case in EXACTNESS.items()},
+           "autotune": autotune_cases()}  # after: it leaves an explicit bucket size set
 for name, case in CASES.items():
     for bucket_bytes in (1, 0):
         tfdist.set_bucket_bytes(bucket_bytes)

@@ -100,6 +100,8 @@ def _report(config: BenchConfig, results, note: str | None = None) -> None:
 
     rows = report.table_rows(config, results)
     print("\n" + report.format_table(rows))
+    for line in dict.fromkeys(r.autotune for r in results if r.autotune):
+        print(line)
     if note:
         print("\n" + note)
     if config.mode == "input":

@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 import tfdist
-from tfdist import collectives, precision
+from tfdist import autotune, collectives, precision
 from tfdist.bench import models, profile, sources
 from tfdist.bench.config import BenchConfig, JsonRecord
 
@@ -34,6 +34,7 @@ class RunResult(JsonRecord):
     images_per_epoch: int
     input_records_per_sec: float | None = None
     breakdown: dict | None = None  # --mode profile: a StepBreakdown's fields
+    autotune: str | None = None  # what tfdist.autotune chose (multi-worker fit), or how far it got
 
     @property
     def warmup_seconds(self) -> float:
@@ -89,7 +90,7 @@ def run(config: BenchConfig, strategy: tf.distribute.Strategy, global_batch: int
               shuffle=False)  # the input pipeline shuffles; Keras would only warn
     result = RunResult(strategy.num_replicas_in_sync, global_batch, type(strategy).__name__,
                        _device_names(strategy), tuple(timer.seconds),
-                       global_batch * config.steps_per_epoch, input_rate)
+                       global_batch * config.steps_per_epoch, input_rate, autotune=autotune.status(model.train_function))
     if config.mode != "profile":
         return result
     breakdown = step_breakdown(config, strategy, result, build_model, compile_kwargs, model, classes, dataset)

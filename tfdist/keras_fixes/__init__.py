@@ -28,6 +28,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``steps_per_execution``: ``compile(steps_per_execution=K)`` under any strategy
   (keras#19246); the last call of an epoch runs only the steps left (Keras runs K);
   and ``"auto"``: tfdist picks K.
+* ``autotune``: a multi-worker ``fit`` picks its gradient bucket setting from the step times of its
+  first steps (``tfdist.autotune``).
 * ``sync_batch_norm``: ``BatchNormalization(synchronized=True)`` across workers all-reduces in
   a lane of its own, so the gradient all-reduces need not wait for it (b/163099951).
 """
@@ -42,14 +44,14 @@ __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", 
 def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
-    from tfdist.keras_fixes import (accumulation, callbacks, distribution, distribution_cluster, gradient_buckets,
-                                    loss_scale, multi_worker, precision_check, replica_state, steps_per_execution,
-                                    sync_batch_norm, uneven, xla)
+    from tfdist.keras_fixes import (accumulation, autotune_fit, callbacks, distribution, distribution_cluster,
+                                    gradient_buckets, loss_scale, multi_worker, precision_check, replica_state,
+                                    steps_per_execution, sync_batch_norm, uneven, xla)
 
     return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
-            distribution_cluster.patch, distribution.patch)
+            distribution_cluster.patch, distribution.patch, autotune_fit.patch)
 
 
 def apply_all() -> None:

@@ -33,7 +33,7 @@ from tfdist.launch import hostlist, lifeline, local, master as master_lib, nodes
 
 # Variables a remote host's launcher gets from this one (besides the token, sent on stdin).
 _FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES,
-              cluster.ENV_HANG_TIMEOUT)
+              cluster.ENV_AUTOTUNE, cluster.ENV_AUTOTUNE_FILE, cluster.ENV_HANG_TIMEOUT)
 _EXIT_SSH = 255
 
 
