@@ -300,7 +300,7 @@ class Master:
             return
         key, self.arrivals = self.arrivals, self.arrivals + 1
         node = self.nodes[key] = _Node(rank, channel, host, hostname, [int(p) for p in hello.get("ports", [])],
-                                       asked=rank)
+                                       asked=rank, over=self.phase != "gather")  # no workers in this round
         threading.Thread(target=self._read, args=(key, channel), daemon=True).start()
         self.say(f"{node.name()} arrived ({len(self.nodes)}/{self.spec} nodes)")
         if self.elastic and len(self.nodes) >= self.min_nodes and self.quorum_at is None:

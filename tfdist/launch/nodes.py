@@ -107,6 +107,7 @@ class _Node:
         self.attempt = 0
         self.last_ping = 0.0
         self.reported = False
+        self.planned = False  # a plan came: node_rank and nnodes are this round's
         self.last_words: str | None = None  # why this node left, when the master did not say
 
     @property
@@ -115,7 +116,7 @@ class _Node:
 
     def say(self, message: str) -> None:
         rank = "?" if self.node_rank is None else self.node_rank
-        count = f"{self.spec[0]}:{self.spec[1]}" if isinstance(self.spec, list) and self.node_rank is None else self.nnodes
+        count = f"{self.spec[0]}:{self.spec[1]}" if isinstance(self.spec, list) and not self.planned else self.nnodes
         output.say(self.out, message, who=f"tfdist run [node {rank}/{count}]")
 
     def run(self) -> int:
@@ -126,7 +127,7 @@ class _Node:
                 kind = message.get("type")
                 if kind == "plan":
                     self.attempt, self.node_rank = message["attempt"], message.get("node_rank", self.node_rank)
-                    self.nnodes = message.get("nnodes", self.nnodes)
+                    self.nnodes, self.planned = message.get("nnodes", self.nnodes), True
                     self._run_round(message)
                 elif kind == "restart":
                     self.attempt = message["attempt"]
