@@ -21,7 +21,7 @@ from typing import Sequence
 
 from tfdist import cluster
 from tfdist.errors import LaunchError
-from tfdist.launch import hostlist, local, nodes, output, ssh, supervisor
+from tfdist.launch import hostlist, kubernetes, local, nodes, output, ssh, supervisor
 
 _MAX_SECONDS = 1e8  # about three years: beyond it, timers overflow
 _MAX_GRACE_SECONDS = 3600.0
@@ -66,18 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_several_machines(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "several machines", "Run the same command on every node (-n workers each), or let Ray place the workers.")
-    group.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+    group.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                        help="nodes in the job: N, or MIN:MAX for an elastic job that starts with MIN..MAX nodes, "
                             "takes in nodes that join later and goes on without nodes that die while MIN are left "
-                            "(default: %(default)s)")
+                            f"(default: ${kubernetes.ENV_NNODES}, else 1)")
     group.add_argument("--node-rank", type=int, default=None,
-                       help="this node's rank, 0..N-1; node 0 is the master (default: the node that can listen on "
-                            "--master serves it as node 0, the master numbers the others as they arrive)")
+                       help="this node's rank, 0..N-1; node 0 is the master (default: a Kubernetes pod's "
+                            f"${kubernetes.ENV_INDEX}, else the node that can listen on --master serves it as node 0 "
+                            "and the master numbers the others as they arrive)")
     group.add_argument("--rdzv-wait", type=float, default=None, metavar="S",
                        help="with --nnodes MIN:MAX: once MIN nodes arrived, wait up to S seconds for more before "
                             f"starting (default: {nodes.DEFAULT_RDZV_WAIT:g})")
     group.add_argument("--master", default=None, metavar="ADDR:PORT",
-                       help="node 0's address and a free port there: node 0 listens on it, the others connect")
+                       help="node 0's address and a free port there: node 0 listens on it, the others connect "
+                            f"(default: ${kubernetes.ENV_MASTER}; in a pod of an Indexed Job or JobSet, pod 0's name "
+                            f"behind the headless Service, port ${kubernetes.ENV_MASTER_PORT} or "
+                            f"{kubernetes.DEFAULT_MASTER_PORT})")
     group.add_argument("--token", default=None,
                        help=f"a secret every node shares, so no one else can join (default: ${nodes.ENV_TOKEN}; "
                             "prefer the variable: a --token shows in ps)")
@@ -113,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _from_environment(args, os.environ)
         command = _check_args(args)
         hosts = _hosts(args)
         exported = _exported(args.env)
@@ -153,10 +158,25 @@ def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[
     return local.launch(command, out=out, **common)
 
 
+def _from_environment(args: argparse.Namespace, env) -> None:
+    """Fills --nnodes, --node-rank, --master (and -n 1) from the environment where they were not given."""
+    given = kubernetes.defaults(env)
+    if args.nnodes is None and given.nnodes and not (args.hosts or args.hostfile or args.ray is not None):
+        args.nnodes = given.nnodes
+        args.node_rank = given.node_rank if args.node_rank is None else args.node_rank
+        args.master = args.master or given.master
+        if args.num_workers is None and given.node_rank is not None:
+            args.num_workers = 1  # one worker per pod unless -n says otherwise
+    args.master = args.master or (given.master if args.nnodes else None)
+    args.nnodes = args.nnodes or "1"
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if command and command[0].endswith(".py") and os.path.isfile(command[0]) and not os.access(command[0], os.X_OK):
+        command = [sys.executable, *command]  # tfdist run train.py: the script with this Python
     if args.num_workers is None and not (args.hosts or args.hostfile):
         raise LaunchError("-n N is required: the number of workers to start, e.g. tfdist run -n 2 -- python train.py")
     _check_numbers(args)
