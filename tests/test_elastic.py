@@ -75,6 +75,8 @@ def test_a_node_joins_a_running_job_and_a_dying_one_leaves_it(tmp_path):
     for r in rounds(tmp_path):
         by_attempt.setdefault(r["attempt"], []).append(r)
     assert {a: len(rs) for a, rs in by_attempt.items()} == {0: 2, 1: 3, 2: 2}
+    # rank 0 (always on node 0) keeps one job directory across rounds: hvd.elastic's commits live there
+    assert len({r["job_dir"] for r in rounds(tmp_path) if r["rank"] == 0}) == 1
     for attempt, rs in by_attempt.items():
         assert sorted(r["rank"] for r in rs) == list(range(len(rs))) == sorted(r["node"] for r in rs)
         assert all(r["size"] == r["workers"] == r["nodes"] == len(rs) for r in rs)

@@ -31,7 +31,7 @@ step = int((out_dir / "step").read_text()) if (out_dir / "step").exists() else 0
 append("rounds", json.dumps({"attempt": int(os.environ["TFDIST_RESTART"]), "rank": rank, "size": size,
                              "node": int(os.environ["TFDIST_NODE_RANK"]), "nodes": int(os.environ["TFDIST_NUM_NODES"]),
                              "workers": len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]), "from": step,
-                             "launcher": os.getppid()}))
+                             "launcher": os.getppid(), "job_dir": os.environ.get("TFDIST_JOB_DIR")}))
 while step < steps:
     if stopping:
         sys.exit(EXIT_PREEMPTED)

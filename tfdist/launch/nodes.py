@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -60,6 +61,7 @@ def launch(command: Sequence[str], *, nnodes: int | tuple[int, int], node_rank: 
     ``serve_master=False``: the master runs elsewhere (``tfdist run -H``'s own launcher, ``launch/ssh.py``).
     """
     out = out or sys.stdout.buffer
+    settings, made_job_dir = supervisor.with_job_dir(settings)  # node 0's keeps rank 0's hvd.elastic commits
     previous_handlers = lifeline.stop_on_signals()
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     node = _Node(command, nnodes, node_rank, master, token, num_workers, settings, base_port, host_address,
@@ -86,6 +88,8 @@ def launch(command: Sequence[str], *, nnodes: int | tuple[int, int], node_rank: 
             coordinator.stop(exit_code, f"{reason}; stopped all workers on {coordinator.nnodes} nodes")
             coordinator.close(timeout=grace_period + master_lib.SILENCE_SECONDS)
         lifeline.restore(previous_handlers)
+        if made_job_dir:
+            shutil.rmtree(made_job_dir, ignore_errors=True)
 
 
 class _Node:
