@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+import numpy as np
+
 from tests.jobs import WORKERS
 from tests.nodes_jobs import finish, node_command, start_node, wait_for
 from tests.test_nodes import master_address
@@ -131,3 +133,23 @@ def test_fewer_than_min_nodes_left_stop_the_job_with_a_clear_error(tmp_path):
     assert ("only 1 node(s) within --start-timeout 3s, fewer than --nnodes 2:3 needs; stopped all workers (start "
             "more nodes with the same --master and token, or lower MIN)") in stayed.output
     assert nothing_left(tmp_path)
+
+
+def test_hvd_elastic_resumes_from_its_last_commit_when_a_node_joins(tmp_path):
+    """--nnodes 1:2 with hvd.elastic.run: a second node joins; the commit on node 0 carries the state over."""
+    master = master_address()
+    worker = [sys.executable, str(WORKERS / "hvd_elastic_job.py"), str(tmp_path), "30"]
+    command = node_command(None, "1:2", master, worker, "--rdzv-wait", "0", "--horovod", timeout=300)
+    nodes = [start_node(command)]
+    try:
+        wait_for(lambda: len(steps(tmp_path)) >= 3, "3 steps on 1 node", timeout=180)
+        nodes.append(start_node(command))
+    finally:
+        results = finish(nodes, timeout=280)
+    assert [r.returncode for r in results] == [0, 0], [r.output[-3000:] for r in results]
+    done = [tuple(map(float, line.split())) for line in (tmp_path / "steps").read_text().split("\n") if line]
+    assert [int(step) for step, _, _ in done] == list(range(1, 31))
+    assert [int(size) for _, size, _ in done] == sorted(int(size) for _, size, _ in done) and done[-1][1] == 2
+    assert [value for _, _, value in done] == list(np.cumsum([size for _, size, _ in done]))  # nothing lost or redone
+    [reset] = (tmp_path / "resets").read_text().split("\n")[:-1]
+    assert reset == f"{sum(1 for _, size, _ in done if size == 1)} 2"  # at the last commit, with the new size
