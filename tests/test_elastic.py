@@ -91,6 +91,20 @@ def test_a_node_joins_a_running_job_and_a_dying_one_leaves_it(tmp_path):
     assert nothing_left(tmp_path)
 
 
+def test_without_node_rank_the_node_on_the_master_address_is_node_0(tmp_path):
+    """--nnodes 2 with no --node-rank on either node: the one that can listen on --master serves it."""
+    master = master_address()
+    worker = [sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), "echo"]
+    results = finish([start_node(node_command(None, 2, master, worker)) for _ in range(2)], timeout=120)
+    assert [r.returncode for r in results] == [0, 0], [r.output for r in results]
+    [served] = [r.output for r in results if "tfdist run [master]: all 2 nodes arrived; starting 2 workers" in r.output]
+    assert "tfdist run [node 0/2]: all workers finished on 2 nodes" in served
+    [joined] = [r.output for r in results if r.output != served]
+    assert "tfdist run [node 1/2]: all workers finished on 2 nodes" in joined
+    configs = [json.loads(json.loads((tmp_path / f"worker{rank}.json").read_text())["TF_CONFIG"]) for rank in (0, 1)]
+    assert [c["task"]["index"] for c in configs] == [0, 1]
+
+
 def test_a_node_killed_and_started_again_rejoins_a_2_of_2_job(tmp_path):
     """--nnodes 2:2: a node dies (a pod the scheduler recreates); its replacement rejoins and the job finishes."""
     master = master_address()
@@ -129,7 +143,7 @@ def test_fewer_than_min_nodes_left_stop_the_job_with_a_clear_error(tmp_path):
     [left] = [r for n, r in zip(nodes, results) if n is leaving]
     assert left.returncode == 143 and "received SIGTERM; stopped this node's workers" in left.output, left.output
     assert stayed.returncode == 124, stayed.output
-    assert "left; restarting every node's workers with 1 nodes" in stayed.output
+    assert "left; restarting every node's workers with 1 node\n" in stayed.output
     assert ("only 1 node(s) within --start-timeout 3s, fewer than --nnodes 2:3 needs; stopped all workers (start "
             "more nodes with the same --master and token, or lower MIN)") in stayed.output
     assert nothing_left(tmp_path)

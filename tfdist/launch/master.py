@@ -306,7 +306,7 @@ class Master:
         if self.elastic and len(self.nodes) >= self.min_nodes and self.quorum_at is None:
             self.quorum_at = time.monotonic()
         if self.phase == "running":
-            self._change(f"{node.name()} joined; restarting every node's workers with {len(self.nodes)} nodes")
+            self._change(f"{node.name()} joined; restarting every node's workers with {_nodes(len(self.nodes))}")
         elif self.phase == "stopping":
             self.change = self.change or f"{node.name()} joined"
 
@@ -360,7 +360,7 @@ class Master:
         node.lost = True
         self.say(f"{node.name()} {reason}; {len(self.nodes)} node(s) left (--nnodes {self.spec})")
         if self.phase in ("running", "stopping"):
-            self._change(f"{node.name()} left; restarting every node's workers with {len(self.nodes)} nodes")
+            self._change(f"{node.name()} left; restarting every node's workers with {_nodes(len(self.nodes))}")
             self._finish_round_if_over()
 
     def _change(self, reason: str) -> None:
@@ -448,7 +448,7 @@ class Master:
                       f"workers stopped within {self.grace_period + _ACK_SECONDS:g}s")
             return
         refused = f"; refused {sum(self.refusals.values())} connection(s): {self._refused()}" if self.refusals else ""
-        if self.elastic:
+        if self.elastic and len(self.nodes) < self.min_nodes:
             self._end(EXIT_TIMEOUT, f"only {len(self.nodes)} node(s) within --start-timeout {self.start_timeout:g}s, "
                       f"fewer than --nnodes {self.spec} needs{refused}; stopped all workers (start more nodes with the "
                       f"same --master and token, or lower MIN)")
@@ -514,6 +514,10 @@ class Master:
             channel.send(message)
         except wire.WireError:
             pass  # its reader reports the loss
+
+
+def _nodes(count: int) -> str:
+    return "1 node" if count == 1 else f"{count} nodes"
 
 
 def _is_ip(host: str) -> bool:
