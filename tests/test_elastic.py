@@ -167,3 +167,41 @@ def test_hvd_elastic_resumes_from_its_last_commit_when_a_node_joins(tmp_path):
     assert [value for _, _, value in done] == list(np.cumsum([size for _, size, _ in done]))  # nothing lost or redone
     [reset] = (tmp_path / "resets").read_text().split("\n")[:-1]
     assert reset == f"{sum(1 for _, size, _ in done if size == 1)} 2"  # at the last commit, with the new size
+
+
+def test_a_replacement_that_comes_before_the_dead_node_is_noticed_waits_then_joins(tmp_path):
+    """--nnodes 2:2: node 1's host freezes (SIGSTOP: no FIN, no pings); its replacement waits for the master to
+    notice the silence (30 s), then joins, and the job finishes."""
+    master = master_address()
+    command = elastic(tmp_path, "2:2", master)
+    nodes = [start_node(command), start_node(command)]
+    frozen = []
+    try:
+        wait_for(lambda: trained_with(tmp_path, 2, 3), "3 steps on 2 nodes")
+        first_round = rounds(tmp_path)
+        victim = next(n for n in nodes if n.pid == next(r for r in first_round if r["node"] == 1)["launcher"])
+        worker = next(int(p) for p in (tmp_path / "pids").read_text().split() if _parent(int(p)) == victim.pid)
+        frozen = [victim.pid, worker]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        nodes.append(start_node(command))
+        wait_for(lambda: len({r["attempt"] for r in rounds(tmp_path)}) == 2, "the second round", timeout=120)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGKILL)
+        results = finish(nodes, timeout=200)
+    survivors = [r for n, r in zip(nodes, results) if n is not victim]
+    assert [r.returncode for r in survivors] == [0, 0], [r.output[-3000:] for r in results]
+    assert "the job runs on its most nodes, 2 (--nnodes 2:2): waiting for one to leave" in survivors[1].output
+    [master_output] = [r.output for r in survivors if "tfdist run [master]" in r.output]
+    assert "waits: the job runs on its most nodes, 2 (--nnodes 2:2); it joins when one leaves" in master_output
+    assert "lost its launcher (timed out waiting for the other side)" in master_output
+    assert_every_step_once(tmp_path)
+    assert nothing_left(tmp_path)
+
+
+def _parent(pid):
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None

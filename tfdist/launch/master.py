@@ -116,6 +116,7 @@ class Master:
         self.listener: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.turned_away: list[wire.Channel] = []  # told to go (half-closed); closed with the master
+        self.standby: list[tuple[wire.Channel, dict, str]] = []  # elastic, at MAX: taken in when a node leaves
         self.verdict: dict | None = None  # the "end" message, once the job has ended
         self.finished = False  # the coordinator has left: handshake threads answer late nodes themselves
         self.finishing = threading.Lock()
@@ -165,7 +166,8 @@ class Master:
         self.closing = True
         if self.listener is not None:
             self.listener.close()
-        for channel in [node.channel for node in self.nodes.values()] + self.turned_away:
+        for channel in [node.channel for node in self.nodes.values()] + self.turned_away + \
+                [waiting[0] for waiting in self.standby]:
             channel.close()
 
     # Threads feeding self.events -------------------------------------------------------
@@ -238,6 +240,8 @@ class Master:
             if time.monotonic() - last_ping > PING_SECONDS:
                 last_ping = time.monotonic()
                 self._broadcast({"type": "ping"})
+                for waiting in self.standby:
+                    self._send(waiting[0], {"type": "ping"})
             if self.phase == "gather":
                 self._plan_if_ready()
             self._check_deadline()
@@ -274,7 +278,14 @@ class Master:
             self._tell_the_verdict(channel)
             return
         started = self.phase != "gather" or self.attempt > 0
-        if started and (not self.elastic or len(self.nodes) >= self.max_nodes):
+        if started and self.elastic and len(self.nodes) >= self.max_nodes:
+            self.standby.append((channel, hello, peer))  # a recreated node whose old self is not noticed gone yet
+            self.say(f"a node at {host} waits: the job runs on its most nodes, {self.max_nodes} (--nnodes "
+                     f"{self.spec}); it joins when one leaves")
+            self._send(channel, {"type": "wait", "reason": f"the job runs on its most nodes, {self.max_nodes} "
+                                                           f"(--nnodes {self.spec}): waiting for one to leave"})
+            return
+        if started and not self.elastic:
             holder = next((n for n in self.nodes.values() if n.rank == rank), None) if isinstance(rank, int) else None
             self._turn_away_with(channel, EXIT_BAD_SETUP, (
                 f"this job is already running on all {self.nnodes} nodes" if not self.elastic else
@@ -362,6 +373,8 @@ class Master:
         if self.phase in ("running", "stopping"):
             self._change(f"{node.name()} left; restarting every node's workers with {_nodes(len(self.nodes))}")
             self._finish_round_if_over()
+        if self.standby and self.verdict is None:
+            self._on_hello(*self.standby.pop(0))
 
     def _change(self, reason: str) -> None:
         """Stops the round for a change of members (not a failure: no restart is counted)."""
@@ -478,6 +491,8 @@ class Master:
         self.phase = "ended"
         self.verdict = {"type": "end", "exit_code": exit_code, "message": message}
         self._broadcast(self.verdict)
+        for waiting in self.standby:
+            self._tell_the_verdict(waiting[0])
 
     def _tell_the_verdict(self, channel: wire.Channel) -> None:
         self._send(channel, self.verdict)

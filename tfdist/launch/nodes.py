@@ -137,6 +137,8 @@ class _Node:
                     self.attempt = message["attempt"]
                     self.say(message["reason"])
                     self._send({"type": "ports", "attempt": self.attempt, "ports": self._ports()})
+                elif kind == "wait":
+                    self.say(message["reason"])
                 elif kind == "end":
                     summary = f" ({supervisor.summary(self.workers, self.began)})" if self.workers else ""
                     self.say(f"{message['message']}{summary}")
