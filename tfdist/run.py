@@ -2,6 +2,8 @@
 
     tfdist run -n 2 -- python train.py --epochs 3                     # this machine
     tfdist run --nnodes 2 --node-rank K --master HOST:PORT -n 2 -- ...  # on each of 2 machines
+    tfdist run --nnodes 2:4 --master HOST:PORT -n 2 -- ...             # elastic: nodes join, die, come back
+    TFDIST_NNODES=2 tfdist run train.py                                 # a Kubernetes Indexed Job/JobSet pod
     tfdist run --ray [ADDRESS] -n 4 -- python train.py                 # workers placed by Ray
     tfdist run -H host1:2,host2:2 -- python train.py                   # every host from here, over ssh
 
