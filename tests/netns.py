@@ -1,4 +1,4 @@
-"""Separate network hosts on one machine: two Linux network namespaces joined by a veth pair.
+"""Separate network hosts on one machine: Linux network namespaces, two on a veth pair or N on a bridge.
 
     with netns.hosts(names=("node01", "node02")) as (a, b):
         subprocess.run(a.command(["python", "-c", "..."]))   # runs on "node01", 10.77.0.1
@@ -10,6 +10,10 @@ counters ``Host.veth_bytes`` reads. With ``names``, each namespace gets its own
 resolver. Everything is removed on leaving, even after a failure (processes still in a
 namespace are killed first), and namespaces left by a test run that was killed are
 removed on the next entry. Needs root and the ``ip`` tool; ``unavailable()`` says why not.
+
+``bridged(n)`` makes N hosts (10.78.0.1 ...) whose veth links meet on a bridge inside a
+namespace of its own (the machine's own network is untouched); ``Host.kill_all()`` kills
+every process on a host at once, as when the machine dies.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 from typing import Iterator, Sequence
 
 SUBNET = "10.77.0"
+BRIDGED_SUBNET = "10.78.0"
 IP_TIMEOUT = 30  # seconds for one `ip` command: a stuck one fails the test instead of hanging CI
 _PREFIX = "tfdn"  # tfdist netns: tfdn<pid>-<n><a|b> names the namespaces, tfdv<pid>-<n><a|b> the veth ends
 _serial = itertools.count()
@@ -39,6 +44,18 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside this host's network namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def pids(self) -> list[int]:
+        """The processes running on this host."""
+        listed = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True,
+                                timeout=IP_TIMEOUT).stdout
+        return [int(pid) for pid in listed.split()]
+
+    def kill_all(self) -> None:
+        """SIGKILLs every process on this host: the machine died."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def veth_bytes(self) -> int:
         """Bytes sent plus received on this host's end of the veth pair."""
@@ -87,6 +104,40 @@ def hosts(names: Sequence[str] | None = None, prefix: str = _PREFIX) -> Iterator
         for host in made:
             _remove(host.namespace)
         subprocess.run(["ip", "link", "del", made[0].device], capture_output=True, timeout=IP_TIMEOUT)  # if never moved
+
+
+@contextlib.contextmanager
+def bridged(count: int, names: Sequence[str] | None = None, prefix: str = _PREFIX) -> Iterator[list[Host]]:
+    """``count`` (up to 26) namespaces, each on a veth link to one bridge in a namespace of its own."""
+    _remove_stale(prefix)
+    tag = f"{os.getpid()}-{next(_serial)}"
+    switch = f"{prefix}{tag}s"
+    made = [Host(f"{prefix}{tag}{end}", f"{BRIDGED_SUBNET}.{i + 1}", f"{prefix[:3]}v{tag}{end}",
+                 names[i] if names else None) for i, end in enumerate("abcdefghijklmnopqrstuvwxyz"[:count])]
+    try:
+        _ip("netns", "add", switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for host in made:
+            _ip("netns", "add", host.namespace)
+            port = f"{prefix[:3]}w{host.namespace[len(prefix):]}"
+            _ip("link", "add", host.device, "type", "veth", "peer", "name", port)
+            _ip("link", "set", port, "netns", switch)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("link", "set", host.device, "netns", host.namespace)
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.device)
+            _ip("-n", host.namespace, "link", "set", host.device, "up")
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+        if names:
+            for host in made:
+                _write_hosts_file(host, made)
+        yield made
+    finally:
+        for host in made:
+            _remove(host.namespace)
+            subprocess.run(["ip", "link", "del", host.device], capture_output=True, timeout=IP_TIMEOUT)
+        _remove(switch)
 
 
 def _write_hosts_file(host: Host, every: Sequence[Host]) -> None:

@@ -23,11 +23,39 @@ class NodeResult:
     output: str
 
 
-def node_command(rank: int, nnodes: int, master: str, worker: Sequence[str], *launcher_args: str,
+def node_command(rank: int | None, nnodes: int | str, master: str, worker: Sequence[str], *launcher_args: str,
                  num_workers: int = 1, timeout: float = 120) -> list[str]:
-    return [sys.executable, "-m", "tfdist.run", "--nnodes", str(nnodes), "--node-rank", str(rank),
+    """A node's ``tfdist run``; ``rank=None`` leaves --node-rank out (the master numbers the node)."""
+    return [sys.executable, "-m", "tfdist.run", "--nnodes", str(nnodes), *([] if rank is None else ["--node-rank", str(rank)]),
             "--master", master, "-n", str(num_workers), "--timeout", str(timeout), "--grace-period", "2",
             *launcher_args, "--", *worker]
+
+
+def start_node(command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """One launcher, started now (the caller kills it: see ``stopped``)."""
+    return subprocess.Popen(list(command), env=job_env({"TFDIST_TOKEN": TOKEN, **(env or {})}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    """Polls ``check`` until it holds; fails the test naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def finish(processes: Sequence[subprocess.Popen], timeout: float = 150) -> list[NodeResult]:
+    """Waits for every launcher (killing all of them on a timeout) and returns their results."""
+    deadline = time.monotonic() + timeout
+    try:
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in processes]
+        return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
 
 
 def run_nodes(commands: Sequence[Sequence[str]], env: dict[str, str] | None = None, timeout: float = 150,

@@ -237,8 +237,12 @@ BAD_INPUTS = [
      r"hvd.run\(hosts='a:2,b:2'\) names 'a', but hvd.run starts workers on this machine only; on several "
      r"machines start 'tfdist run --nnodes N --node-rank K --master ADDR:PORT -n P -- python train.py' on each"),
     ("run elastic sizes", lambda: hvd.run(print, np=2, min_np=1), ValueError,
-     r"hvd.run\(min_num_proc=1\) cannot be honoured: elastic resizing is not supported; use hvd.elastic with "
-     r"reset_limit=R \(restarts\)"),
+     r"hvd.run\(min_num_proc=1\) cannot be honoured: hvd.run starts workers on this machine only; for a job whose "
+     r"nodes come and go start 'tfdist run --nnodes MIN:MAX --master ADDR:PORT -n P' on each node, with "
+     r"hvd.elastic.run"),
+    ("run host discovery", lambda: hvd.run(print, np=2, host_discovery_script="./discover.sh"), ValueError,
+     r"hvd.run\(host_discovery_script='./discover.sh'\) cannot be honoured: no script is polled for hosts: a host "
+     r"joins when 'tfdist run --nnodes MIN:MAX --master ADDR:PORT -n P' starts on it"),
     ("run a lambda", lambda: hvd.run(lambda: 1, np=1), ValueError,
      r"hvd.run sends func and its arguments to the workers with pickle, which failed .* define func at module "
      r"level"),

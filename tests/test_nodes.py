@@ -186,6 +186,18 @@ def test_addresses_that_are_not_this_nodes(tmp_path, args, message):
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "2", "--node-rank", "2", "--master", "h:1"], "--node-rank must be in 0..1 for --nnodes 2: received 2."),
     (["--nnodes", "0"], "--nnodes must be at least 1: received 0."),
+    (["--nnodes", "0:2", "--master", "h:1"], "--nnodes MIN must be at least 1: received '0:2'; give N (a fixed node "
+                                              "count) or MIN:MAX (an elastic job), e.g. --nnodes 2 or --nnodes 2:4."),
+    (["--nnodes", "3:2", "--master", "h:1"], "--nnodes MIN:MAX needs MIN <= MAX: received '3:2'; e.g. --nnodes 2:3."),
+    (["--nnodes", "two"], "--nnodes must be N or MIN:MAX with whole numbers: received 'two'"),
+    (["--nnodes", "2:", "--master", "h:1"], "--nnodes must be N or MIN:MAX with whole numbers: received '2:'"),
+    (["--nnodes", "2:x", "--master", "h:1"], "--nnodes must be N or MIN:MAX with whole numbers: received '2:x'"),
+    (["--nnodes", "2:3", "--node-rank", "3", "--master", "h:1"],
+     "--node-rank must be in 0..2 for --nnodes 2:3: received 3."),
+    (["--nnodes", "2", "--rdzv-wait", "5", "--master", "h:1"],
+     "--rdzv-wait applies to an elastic job: give --nnodes MIN:MAX (received --nnodes 2)."),
+    (["--nnodes", "2:3", "--rdzv-wait", "-1", "--master", "h:1"], "--rdzv-wait must be 0 or more seconds: received -1.0."),
+    (["--nnodes", "2:3"], "--nnodes 2:3 needs --master ADDR:PORT"),
     (["--nnodes", "2"], "--nnodes 2 needs --master ADDR:PORT: node 0's address and a free port there"),
     (["--nnodes", "2", "--master", "10.0.0.1"], "--master must be ADDR:PORT with a port in 1..65535, e.g. "
                                                 "10.0.0.1:29400: received '10.0.0.1'."),

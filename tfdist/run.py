@@ -2,6 +2,8 @@
 
     tfdist run -n 2 -- python train.py --epochs 3                     # this machine
     tfdist run --nnodes 2 --node-rank K --master HOST:PORT -n 2 -- ...  # on each of 2 machines
+    tfdist run --nnodes 2:4 --master HOST:PORT -n 2 -- ...             # elastic: nodes join, die, come back
+    TFDIST_NNODES=2 tfdist run train.py                                 # a Kubernetes Indexed Job/JobSet pod
     tfdist run --ray [ADDRESS] -n 4 -- python train.py                 # workers placed by Ray
     tfdist run -H host1:2,host2:2 -- python train.py                   # every host from here, over ssh
 
@@ -21,7 +23,7 @@ from typing import Sequence
 
 from tfdist import cluster
 from tfdist.errors import LaunchError
-from tfdist.launch import hostlist, local, nodes, output, ssh, supervisor
+from tfdist.launch import hostlist, kubernetes, local, nodes, output, ssh, supervisor
 
 _MAX_SECONDS = 1e8  # about three years: beyond it, timers overflow
 _MAX_GRACE_SECONDS = 3600.0
@@ -66,10 +68,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_several_machines(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "several machines", "Run the same command on every node (-n workers each), or let Ray place the workers.")
-    group.add_argument("--nnodes", type=int, default=1, help="nodes in the job (default: %(default)s)")
-    group.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..NNODES-1; node 0 is the master")
+    group.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
+                       help="nodes in the job: N, or MIN:MAX for an elastic job that starts with MIN..MAX nodes, "
+                            "takes in nodes that join later and goes on without nodes that die while MIN are left "
+                            f"(default: ${kubernetes.ENV_NNODES}, else 1)")
+    group.add_argument("--node-rank", type=int, default=None,
+                       help="this node's rank, 0..N-1; node 0 is the master (default: a Kubernetes pod's "
+                            f"${kubernetes.ENV_INDEX}, else the node that can listen on --master serves it as node 0 "
+                            "and the master numbers the others as they arrive)")
+    group.add_argument("--rdzv-wait", type=float, default=None, metavar="S",
+                       help="with --nnodes MIN:MAX: once MIN nodes arrived, wait up to S seconds for more before "
+                            f"starting (default: {nodes.DEFAULT_RDZV_WAIT:g})")
     group.add_argument("--master", default=None, metavar="ADDR:PORT",
-                       help="node 0's address and a free port there: node 0 listens on it, the others connect")
+                       help="node 0's address and a free port there: node 0 listens on it, the others connect "
+                            f"(default: ${kubernetes.ENV_MASTER}; in a pod of an Indexed Job or JobSet, pod 0's name "
+                            f"behind the headless Service, port ${kubernetes.ENV_MASTER_PORT} or "
+                            f"{kubernetes.DEFAULT_MASTER_PORT})")
     group.add_argument("--token", default=None,
                        help=f"a secret every node shares, so no one else can join (default: ${nodes.ENV_TOKEN}; "
                             "prefer the variable: a --token shows in ps)")
@@ -105,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _from_environment(args, os.environ)
         command = _check_args(args)
         hosts = _hosts(args)
         exported = _exported(args.env)
@@ -130,8 +145,11 @@ def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[
                                     horovod=args.horovod, hang_timeout=args.hang_timeout)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,
                   max_restarts=args.max_restarts, grace_period=args.grace_period, start_timeout=args.start_timeout)
-    if args.nnodes > 1 or args.join_only:
-        return nodes.launch(command, nnodes=args.nnodes, node_rank=args.node_rank, master=_parse_master(args.master),
+    if args.max_nodes > 1 or args.join_only:
+        return nodes.launch(command, nnodes=(args.min_nodes, args.max_nodes) if ":" in args.nnodes else args.max_nodes,
+                            node_rank=args.node_rank,
+                            rdzv_wait=nodes.DEFAULT_RDZV_WAIT if args.rdzv_wait is None else args.rdzv_wait,
+                            master=_parse_master(args.master),
                             token=nodes.token_from(args.token), host_address=args.host_address,
                             serve_master=not args.join_only, out=out, **common)
     if args.ray is not None:
@@ -142,10 +160,25 @@ def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[
     return local.launch(command, out=out, **common)
 
 
+def _from_environment(args: argparse.Namespace, env) -> None:
+    """Fills --nnodes, --node-rank, --master (and -n 1) from the environment where they were not given."""
+    given = kubernetes.defaults(env)
+    if args.nnodes is None and given.nnodes and not (args.hosts or args.hostfile or args.ray is not None):
+        args.nnodes = given.nnodes
+        args.node_rank = given.node_rank if args.node_rank is None else args.node_rank
+        args.master = args.master or given.master
+        if args.num_workers is None and given.node_rank is not None:
+            args.num_workers = 1  # one worker per pod unless -n says otherwise
+    args.master = args.master or (given.master if args.nnodes else None)
+    args.nnodes = args.nnodes or "1"
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    if command and command[0].endswith(".py") and os.path.isfile(command[0]) and not os.access(command[0], os.X_OK):
+        command = [sys.executable, *command]  # tfdist run train.py: the script with this Python
     if args.num_workers is None and not (args.hosts or args.hostfile):
         raise LaunchError("-n N is required: the number of workers to start, e.g. tfdist run -n 2 -- python train.py")
     _check_numbers(args)
@@ -223,22 +256,41 @@ def _unrunnable(path: str) -> str | None:
     return None
 
 
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """'2' -> (2, 2); '2:4' -> (2, 4): the fewest and the most nodes of the job."""
+    low, sep, high = value.partition(":")
+    fix = "give N (a fixed node count) or MIN:MAX (an elastic job), e.g. --nnodes 2 or --nnodes 2:4"
+    if not (low.strip().isdigit() and (not sep or high.strip().isdigit())):
+        raise LaunchError(f"--nnodes must be N or MIN:MAX with whole numbers: received {value!r}; {fix}.")
+    least, most = int(low), int(high) if sep else int(low)
+    if least < 1:
+        raise LaunchError(f"--nnodes must be at least 1: received {least}." if not sep else
+                          f"--nnodes MIN must be at least 1: received {value!r}; {fix}.")
+    if least > most:
+        raise LaunchError(f"--nnodes MIN:MAX needs MIN <= MAX: received {value!r}; e.g. --nnodes {most}:{least}.")
+    return least, most
+
+
 def _check_several_machines(args: argparse.Namespace) -> None:
-    if args.nnodes < 1:
-        raise LaunchError(f"--nnodes must be at least 1: received {args.nnodes}.")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise LaunchError(f"--node-rank must be in 0..{args.nnodes - 1} for --nnodes {args.nnodes}: "
+    args.min_nodes, args.max_nodes = parse_nnodes(args.nnodes)
+    elastic = args.min_nodes < args.max_nodes or ":" in args.nnodes
+    if args.node_rank is not None and not 0 <= args.node_rank < args.max_nodes:
+        raise LaunchError(f"--node-rank must be in 0..{args.max_nodes - 1} for --nnodes {args.nnodes}: "
                           f"received {args.node_rank}.")
-    if args.ray is not None and args.nnodes > 1:
+    if args.rdzv_wait is not None and not elastic:
+        raise LaunchError(f"--rdzv-wait applies to an elastic job: give --nnodes MIN:MAX (received --nnodes "
+                          f"{args.nnodes}).")
+    if args.rdzv_wait is not None and not (math.isfinite(args.rdzv_wait) and 0 <= args.rdzv_wait <= _MAX_SECONDS):
+        raise LaunchError(f"--rdzv-wait must be 0 or more seconds: received {args.rdzv_wait}.")
+    if args.ray is not None and args.max_nodes > 1:
         raise LaunchError("--ray and --nnodes are two ways to use several machines: give one (with --ray, Ray "
                           "places the workers; with --nnodes, you start tfdist run on every node).")
     if args.ray is None and (args.cpus_per_worker is not None or args.gpus_per_worker is not None):
         raise LaunchError("--cpus-per-worker and --gpus-per-worker are Ray resources: add --ray.")
-    if args.nnodes == 1 and not args.join_only:
+    if args.max_nodes == 1 and not args.join_only:
         given = [f"--{n.replace('_', '-')}" for n in ("master", "token", "host_address") if getattr(args, n)]
         if given:
-            raise LaunchError(f"{', '.join(given)} only apply to a job on several nodes: add --nnodes M and "
-                              "--node-rank K.")
+            raise LaunchError(f"{', '.join(given)} only apply to a job on several nodes: add --nnodes M.")
         return
     if args.master is None:
         raise LaunchError(f"--nnodes {args.nnodes} needs --master ADDR:PORT: node 0's address and a free port there "
@@ -260,7 +312,7 @@ def _hosts(args: argparse.Namespace) -> list[tuple[str, int]] | None:
         return None
     if args.hosts and args.hostfile:
         raise LaunchError("-H and --hostfile both list the hosts: give one of them.")
-    if args.nnodes > 1 or args.ray is not None:
+    if args.max_nodes > 1 or args.ray is not None:
         raise LaunchError("-H/--hostfile starts every host from here; --nnodes (one tfdist run per node) and --ray "
                           "are other ways: give one of them.")
     if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:

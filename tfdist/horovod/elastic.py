@@ -11,8 +11,11 @@ does it with restarts instead:
   all again. ``hvd.elastic.run`` then loads the last commit on rank 0, broadcasts it to
   every rank (``state.sync()``), calls the reset callbacks and runs the training function:
   the job resumes from the last commit, losing at most the batches since it.
-* Workers never join a running job, and the job always restarts with the same number of
-  workers. Without a job directory (plain ``python``), commits stay in memory.
+* Under ``tfdist run --nnodes MIN:MAX`` nodes join and leave at such restarts too: the job
+  restarts with the new number of workers, rank 0 (always on node 0, whose job directory
+  keeps the commits) loads the last commit and the reset callbacks see the new size.
+  Workers never join a running round. Without a job directory (plain ``python``), commits
+  stay in memory.
 
 With Keras, ``UpdateBatchStateCallback`` makes the first epoch after a restart start at
 the committed batch (the batches before it are read and skipped), and

@@ -30,11 +30,16 @@ _MAIN = "main.json"
 _WORKER_CODE = "import sys; from tfdist.horovod.runner import _worker; _worker(sys.argv[1])"
 # Horovod options that have no meaning here, and what to do instead.
 _UNSUPPORTED = {
-    "min_num_proc": "elastic resizing is not supported; use hvd.elastic with reset_limit=R (restarts)",
-    "max_num_proc": "elastic resizing is not supported; use hvd.elastic with reset_limit=R (restarts)",
+    "min_num_proc": "hvd.run starts workers on this machine only; for a job whose nodes come and go start "
+                    "'tfdist run --nnodes MIN:MAX --master ADDR:PORT -n P' on each node, with hvd.elastic.run "
+                    "(or hvd.elastic with reset_limit=R to survive worker failures here)",
+    "max_num_proc": "hvd.run starts workers on this machine only; for a job whose nodes come and go start "
+                    "'tfdist run --nnodes MIN:MAX --master ADDR:PORT -n P' on each node, with hvd.elastic.run "
+                    "(or hvd.elastic with reset_limit=R to survive worker failures here)",
     "hostfile": "hvd.run starts workers on this machine only; on several machines start "
                 "'tfdist run --nnodes N --node-rank K --master ADDR:PORT -n P' on each",
-    "host_discovery_script": "elastic host discovery is not supported",
+    "host_discovery_script": "no script is polled for hosts: a host joins when 'tfdist run --nnodes MIN:MAX "
+                             "--master ADDR:PORT -n P' starts on it, and leaves when it dies or its launcher stops",
     "ssh_port": "tfdist does not start workers over ssh",
     "ssh_identity_file": "tfdist does not start workers over ssh",
     "mpi_args": "tfdist uses no MPI",

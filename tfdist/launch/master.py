@@ -5,16 +5,26 @@ that share connects to it over TCP like every other node. It listens on the ``--
 address only, and only for tfdist launchers that prove they know the job's token
 (``wire``). What each side says (every message signed):
 
-* node -> master: the hello (node rank, node count, its address and worker ports);
+* node -> master: the hello (its node rank or none, the node count, its address and worker ports);
   ``ports`` (fresh ports after a restart); ``failed`` (a worker failed, sent before the
   node stops its other workers); ``over`` (this node's workers have all exited, and why);
   ``ping``.
-* master -> node: ``plan`` (every worker's address, and this node's first rank);
+* master -> node: ``plan`` (every worker's address, this node's rank and first worker rank, the node count);
   ``stop``; ``restart``; ``end`` (the exit code and the message every node prints);
   ``ping``.
 
-Ranks follow node ranks: node 0's workers first. A worker that fails anywhere stops the
-job everywhere; restarts and their count are decided here, for all nodes together.
+Ranks follow node ranks: node 0's workers first. A node without a rank of its own is
+numbered in arrival order after those that have one (the master's own node is 0). A worker
+that fails anywhere stops the job everywhere; restarts and their count are decided here, for
+all nodes together.
+
+An elastic job (``--nnodes MIN:MAX``) starts once MIN nodes are there (after ``rdzv_wait``
+seconds for more, up to MAX). Its membership changes between rounds: a node that arrives
+while the workers run, or one that is lost or leaves, makes the master stop every node's
+workers (SIGTERM: they save and exit) and start a new round with the new set of nodes,
+renumbered. Such a change does not count against ``max_restarts``; a worker's failure in a
+round without one does. With fewer than MIN nodes left the master waits ``start_timeout``
+for more, then ends the job.
 
 Whoever else connects cannot stall it: at most ``MAX_HANDSHAKES`` connections wait for
 their handshake at once (``HANDSHAKE_SECONDS`` each, in all; more are closed at once),
@@ -51,16 +61,20 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 @dataclasses.dataclass
 class _Node:
-    rank: int
+    rank: int | None  # asked for in its hello (None: any); once planned, its rank in the job
     channel: wire.Channel
     host: str
     hostname: str
     ports: list[int] | None
     over: bool = False
     lost: bool = False
+    asked: int | None = None  # the node rank its hello asked for
 
     def describe(self) -> str:
         return f"{self.hostname} ({self.host})" if self.hostname != self.host else self.host
+
+    def name(self) -> str:
+        return f"node {self.rank} ({self.describe()})" if self.rank is not None else f"a node at {self.describe()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +87,18 @@ class _Failure:
 class Master:
     """Coordinates the nodes of one job; ``start`` listens, ``close`` waits for the verdict to go out."""
 
-    def __init__(self, address: tuple[str, int], nnodes: int, token: str, *, start_timeout: float,
-                 max_restarts: int, fixed_ports: bool, grace_period: float, say: Callable[[str], None]):
-        self.address, self.nnodes, self.token = address, nnodes, token
+    def __init__(self, address: tuple[str, int], nnodes: int | tuple[int, int], token: str, *, start_timeout: float,
+                 max_restarts: int, fixed_ports: bool, grace_period: float, say: Callable[[str], None],
+                 rdzv_wait: float = 0.0):
+        """``nnodes``: N (a fixed size), or (MIN, MAX) for an elastic job."""
+        self.elastic = isinstance(nnodes, tuple)
+        self.min_nodes, self.max_nodes = nnodes if self.elastic else (nnodes, nnodes)
+        self.spec = f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(nnodes)
+        self.nnodes = self.max_nodes  # the node count of the current (or next) round
+        self.address, self.token, self.rdzv_wait = address, token, rdzv_wait
+        self.arrivals = 0  # keys self.nodes: one per node that joined
+        self.change: str | None = None  # why the membership changes at the end of this round
+        self.quorum_at: float | None = None  # when MIN nodes were first there (elastic)
         self.start_timeout, self.max_restarts, self.fixed_ports = start_timeout, max_restarts, fixed_ports
         self.grace_period, self.say = grace_period, say
         self.events: queue.Queue = queue.Queue()
@@ -93,6 +116,7 @@ class Master:
         self.listener: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.turned_away: list[wire.Channel] = []  # told to go (half-closed); closed with the master
+        self.standby: list[tuple[wire.Channel, dict, str]] = []  # elastic, at MAX: taken in when a node leaves
         self.verdict: dict | None = None  # the "end" message, once the job has ended
         self.finished = False  # the coordinator has left: handshake threads answer late nodes themselves
         self.finishing = threading.Lock()
@@ -101,18 +125,24 @@ class Master:
     def where(self) -> str:
         return f"{self.address[0]}:{self.address[1]}"
 
-    def start(self) -> None:
-        """Listens on the master address and starts coordinating; MasterError when it cannot listen."""
+    def start(self, only_if_here: bool = False) -> bool:
+        """Listens on the master address and starts coordinating; MasterError when it cannot listen.
+
+        ``only_if_here``: returns False (and does nothing) when the address is not this machine's,
+        or a master listens there already: this node joins it rather than serving it.
+        """
         listener = socket.socket(socket.AF_INET6 if ":" in self.address[0] else socket.AF_INET)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind(self.address)
         except OSError as err:
             listener.close()
+            if only_if_here and err.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                return False
             raise MasterError(
                 f"node 0 cannot listen on --master {self.where} ({err.strerror}): --master must be an address "
                 "of node 0 (the one other nodes reach it at) and a port free there.") from None
-        listener.listen(max(128, 2 * self.nnodes + 8))
+        listener.listen(max(128, 2 * self.max_nodes + 8))
         self.listener = listener
         bound, host = listener.getsockname()[0], self.address[0]
         if ipaddress.ip_address(bound).is_loopback and not (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
@@ -123,6 +153,7 @@ class Master:
         threading.Thread(target=self._accept, daemon=True, name="tfdist-master-accept").start()
         self.thread = threading.Thread(target=self._coordinate, daemon=True, name="tfdist-master")
         self.thread.start()
+        return True
 
     def stop(self, exit_code: int, message: str) -> None:
         """Ends the job on every node with ``message``, unless it has ended already."""
@@ -135,7 +166,8 @@ class Master:
         self.closing = True
         if self.listener is not None:
             self.listener.close()
-        for channel in [node.channel for node in self.nodes.values()] + self.turned_away:
+        for channel in [node.channel for node in self.nodes.values()] + self.turned_away + \
+                [waiting[0] for waiting in self.standby]:
             channel.close()
 
     # Threads feeding self.events -------------------------------------------------------
@@ -181,14 +213,14 @@ class Master:
                 return
         self._tell_the_verdict(channel)  # a node arriving after the end learns it too
 
-    def _read(self, rank: int, channel: wire.Channel) -> None:
+    def _read(self, key: int, channel: wire.Channel) -> None:
         while True:
             try:
                 message = channel.recv(timeout=SILENCE_SECONDS)
             except wire.WireError as err:
-                self.events.put(("lost", rank, channel, str(err)))
+                self.events.put(("lost", key, channel, str(err)))
                 return
-            self.events.put(("message", rank, channel, message))
+            self.events.put(("message", key, channel, message))
 
     # The coordinator ---------------------------------------------------------------------
 
@@ -208,6 +240,10 @@ class Master:
             if time.monotonic() - last_ping > PING_SECONDS:
                 last_ping = time.monotonic()
                 self._broadcast({"type": "ping"})
+                for waiting in self.standby:
+                    self._send(waiting[0], {"type": "ping"})
+            if self.phase == "gather":
+                self._plan_if_ready()
             self._check_deadline()
             self._say_refusals()
         self._wait_for_goodbyes()
@@ -237,43 +273,69 @@ class Master:
     def _on_hello(self, channel: wire.Channel, hello: dict, peer: str) -> None:
         rank, nnodes = hello.get("node_rank"), hello.get("nnodes")
         hostname, host = str(hello.get("hostname", peer)), str(hello.get("host", peer))
+        nnodes = f"{nnodes[0]}:{nnodes[1]}" if isinstance(nnodes, list) and len(nnodes) == 2 else str(nnodes)
         if self.verdict is not None:
             self._tell_the_verdict(channel)
             return
-        if self.phase != "gather" or self.attempt > 0:
-            holder = self.nodes.get(rank) if isinstance(rank, int) else None
-            self._send(channel, {"type": "end", "exit_code": EXIT_BAD_SETUP, "message": (
-                f"this job is already running on all {self.nnodes} nodes"
+        started = self.phase != "gather" or self.attempt > 0
+        if started and self.elastic and len(self.nodes) >= self.max_nodes:
+            self.standby.append((channel, hello, peer))  # a recreated node whose old self is not noticed gone yet
+            self.say(f"a node at {host} waits: the job runs on its most nodes, {self.max_nodes} (--nnodes "
+                     f"{self.spec}); it joins when one leaves")
+            self._send(channel, {"type": "wait", "reason": f"the job runs on its most nodes, {self.max_nodes} "
+                                                           f"(--nnodes {self.spec}): waiting for one to leave"})
+            return
+        if started and not self.elastic:
+            holder = next((n for n in self.nodes.values() if n.rank == rank), None) if isinstance(rank, int) else None
+            self._turn_away_with(channel, EXIT_BAD_SETUP, (
+                f"this job is already running on all {self.nnodes} nodes" if not self.elastic else
+                f"this job already runs on its most nodes, {self.max_nodes} (--nnodes {self.spec})")
                 + (f"; node rank {rank} is {holder.describe()}" if holder else "")
-                + ": start a new job, or stop this one first")})
-            self._turn_away(channel)
+                + ": start a new job, or stop this one first")
             return
-        if nnodes != self.nnodes or not isinstance(rank, int) or not 0 <= rank < self.nnodes:
-            self._abort(f"{hostname} ({peer}) was started with --nnodes {nnodes} --node-rank {rank}, node 0 with "
-                        f"--nnodes {self.nnodes}: start every node with the same --nnodes, and a --node-rank "
-                        f"in 0..{self.nnodes - 1}", extra=[channel])
+        fits = rank is None or (isinstance(rank, int) and 0 <= rank < self.max_nodes)
+        if nnodes != self.spec or not fits:
+            message = (f"{hostname} ({peer}) was started with --nnodes {nnodes} --node-rank {rank}, node 0 with "
+                       f"--nnodes {self.spec}: start every node with the same --nnodes, and a --node-rank "
+                       f"in 0..{self.max_nodes - 1} (or none)")
+            if started:
+                self._turn_away_with(channel, EXIT_BAD_SETUP, message)
+            else:
+                self._abort(message, extra=[channel])
             return
-        if rank in self.nodes:
-            self._abort(f"two nodes claim --node-rank {rank}: {self.nodes[rank].describe()} and "
+        holder = next((n for n in self.nodes.values() if rank is not None and n.asked == rank), None)
+        if holder is not None and not self.elastic:  # elastic: a recreated node may come back with its old rank
+            self._abort(f"two nodes claim --node-rank {rank}: {holder.describe()} and "
                         f"{_Node(rank, channel, host, hostname, None).describe()}; give each node its own "
                         f"--node-rank in 0..{self.nnodes - 1}", extra=[channel])
             return
-        self.nodes[rank] = _Node(rank, channel, host, hostname, [int(p) for p in hello.get("ports", [])])
-        threading.Thread(target=self._read, args=(rank, channel), daemon=True).start()
-        self.say(f"node {rank} arrived from {self.nodes[rank].describe()} "
-                 f"({len(self.nodes)}/{self.nnodes} nodes)")
-        self._plan_if_ready()
+        key, self.arrivals = self.arrivals, self.arrivals + 1
+        node = self.nodes[key] = _Node(rank, channel, host, hostname, [int(p) for p in hello.get("ports", [])],
+                                       asked=rank, over=self.phase != "gather")  # no workers in this round
+        threading.Thread(target=self._read, args=(key, channel), daemon=True).start()
+        self.say(f"{node.name()} arrived ({len(self.nodes)}/{self.spec} nodes)")
+        if self.elastic and len(self.nodes) >= self.min_nodes and self.quorum_at is None:
+            self.quorum_at = time.monotonic()
+        if self.phase == "running":
+            self._change(f"{node.name()} joined; restarting every node's workers with {_nodes(len(self.nodes))}")
+        elif self.phase == "stopping":
+            self.change = self.change or f"{node.name()} joined"
 
-    def _on_message(self, rank: int, channel: wire.Channel, message: dict) -> None:
-        node = self.nodes.get(rank)
+    def _turn_away_with(self, channel: wire.Channel, exit_code: int, message: str) -> None:
+        self._send(channel, {"type": "end", "exit_code": exit_code, "message": message})
+        self._turn_away(channel)
+
+    def _on_message(self, key: int, channel: wire.Channel, message: dict) -> None:
+        node = self.nodes.get(key)
         if node is None or node.channel is not channel or message.get("attempt", self.attempt) != self.attempt:
             return  # from an earlier attempt or a node that left
         kind = message.get("type")
         if kind == "ports" and self.phase == "gather":
             node.ports = [int(p) for p in message["ports"]]
-            self._plan_if_ready()
         elif kind == "failed":
             self._fail(_Failure(message["message"], int(message["exit_code"]), bool(message["restartable"])))
+        elif kind == "over" and self.elastic and message.get("leaving"):
+            self._leave(key, (message.get("failure") or {}).get("message", "it left"))
         elif kind == "over" and self.phase in ("running", "stopping"):
             node.over = True
             self.port_clash |= bool(message.get("port_clash"))
@@ -282,16 +344,19 @@ class Master:
                 self._fail(_Failure(failure["message"], int(failure["exit_code"]), bool(failure["restartable"])))
             self._finish_round_if_over()
 
-    def _on_lost(self, rank: int, channel: wire.Channel, reason: str) -> None:
-        node = self.nodes.get(rank)
+    def _on_lost(self, key: int, channel: wire.Channel, reason: str) -> None:
+        node = self.nodes.get(key)
         if node is None or node.channel is not channel:
             return
         node.lost = True
         if self.phase == "gather" and self.attempt == 0:
-            del self.nodes[rank]  # it may come back before the start timeout
-            self.say(f"node {rank} ({node.describe()}) left before the job started: {reason}")
+            del self.nodes[key]  # it may come back before the start timeout
+            self.say(f"{node.name()} left before the job started: {reason}")
             return
-        lost = _Failure(f"lost node {rank}'s launcher ({node.describe()}: {reason})", 1, False)
+        if self.elastic:
+            self._leave(key, f"lost its launcher ({reason})")
+            return
+        lost = _Failure(f"lost node {node.rank}'s launcher ({node.describe()}: {reason})", 1, False)
         if self.phase == "gather":  # between attempts: no workers run anywhere
             self._end(lost.exit_code, f"{lost.message}; stopped all workers on {self.nnodes} nodes")
             return
@@ -300,19 +365,48 @@ class Master:
             self._fail(lost)
         self._finish_round_if_over()
 
+    def _leave(self, key: int, reason: str) -> None:
+        """An elastic job goes on without node ``key``: a new round once every other node's workers stopped."""
+        node = self.nodes.pop(key)
+        node.lost = True
+        self.say(f"{node.name()} {reason}; {len(self.nodes)} node(s) left (--nnodes {self.spec})")
+        if self.phase in ("running", "stopping"):
+            self._change(f"{node.name()} left; restarting every node's workers with {_nodes(len(self.nodes))}")
+            self._finish_round_if_over()
+        if self.standby and self.verdict is None:
+            self._on_hello(*self.standby.pop(0))
+
+    def _change(self, reason: str) -> None:
+        """Stops the round for a change of members (not a failure: no restart is counted)."""
+        if self.change is None:
+            self.change = reason
+        if self.phase == "running":
+            self.phase = "stopping"
+            self.deadline = time.monotonic() + self.grace_period + _ACK_SECONDS
+            self._broadcast({"type": "stop", "attempt": self.attempt, "reason": reason})
+
     def _plan_if_ready(self) -> None:
-        if len(self.nodes) < self.nnodes or any(n.ports is None for n in self.nodes.values()):
+        count = len(self.nodes)
+        if count < self.min_nodes or any(n.ports is None for n in self.nodes.values()):
             return
+        if self.elastic and count < self.max_nodes and self.attempt == 0 and \
+                time.monotonic() < (self.quorum_at or 0.0) + self.rdzv_wait:
+            return  # --rdzv-wait: more nodes may come before the first start
         addresses, first = [], {}
-        for rank in sorted(self.nodes):
-            node = self.nodes[rank]
-            first[rank] = len(addresses)
+        order = sorted(self.nodes, key=lambda key: (self.nodes[key].asked is None, self.nodes[key].asked or 0, key))
+        for rank, key in enumerate(order):
+            node = self.nodes[key]
+            node.rank, first[key] = rank, len(addresses)
             addresses += [f"{_bracket(node.host)}:{port}" for port in node.ports]
-        for rank, node in self.nodes.items():
+        self.nnodes = count
+        for key, node in self.nodes.items():
             self._send(node.channel, {"type": "plan", "attempt": self.attempt, "addresses": addresses,
-                                      "first_rank": first[rank]})
+                                      "first_rank": first[key], "node_rank": node.rank, "nnodes": count})
         if self.attempt == 0:
-            self.say(f"all {self.nnodes} nodes arrived; starting {len(addresses)} workers")
+            self.say(f"all {count} nodes arrived; starting {len(addresses)} workers" if not self.elastic else
+                     f"{count} nodes arrived (--nnodes {self.spec}); starting {len(addresses)} workers")
+        elif self.elastic:
+            self.say(f"starting {len(addresses)} workers on {count} nodes")
         self.phase, self.round_began = "running", time.monotonic()
 
     def _fail(self, failure: _Failure) -> None:
@@ -326,7 +420,9 @@ class Master:
         if not all(node.over for node in self.nodes.values()):
             return
         failure, nodes = self.failure, f"{self.nnodes} nodes"
-        if failure is None:
+        if self.change is not None and (failure is None or failure.restartable):
+            self._restart(self.change, counted=False)  # a failure in this round came with the change of members
+        elif failure is None:
             self._end(0, f"all workers finished on {nodes}" + self._after_restarts())
         elif not failure.restartable or any(node.lost for node in self.nodes.values()):
             self._end(failure.exit_code, f"{failure.message}; stopped all workers on {nodes}" + self._after_restarts())
@@ -344,27 +440,39 @@ class Master:
     def _after_restarts(self) -> str:
         return f" after {self.restarts} restart(s)" if self.restarts else ""
 
-    def _restart(self, reason: str) -> None:
+    def _restart(self, reason: str, counted: bool = True) -> None:
         self.attempt += 1
-        self.failure, self.port_clash, self.phase = None, False, "gather"
+        self.failure, self.change, self.port_clash, self.phase = None, None, False, "gather"
         self.deadline = time.monotonic() + self.start_timeout
         for node in self.nodes.values():
             node.over, node.ports = False, None
         self._broadcast({"type": "restart", "attempt": self.attempt, "reason": reason})
+        if not counted and len(self.nodes) < self.min_nodes:
+            self.say(f"{len(self.nodes)} node(s) left, fewer than --nnodes {self.spec} allows: waiting up to "
+                     f"--start-timeout {self.start_timeout:g}s for {self.min_nodes - len(self.nodes)} more")
 
     def _check_deadline(self) -> None:
         if self.phase not in ("gather", "stopping") or time.monotonic() < self.deadline:
             return
         if self.phase == "stopping":
-            late = sorted(rank for rank, node in self.nodes.items() if not node.over)
-            self._end(self.failure.exit_code, f"{self.failure.message}; node(s) {late} did not report their "
+            late = sorted(node.rank for node in self.nodes.values() if not node.over)
+            why = self.failure or _Failure(self.change, 1, False)
+            self._end(why.exit_code, f"{why.message}; node(s) {late} did not report their "
                       f"workers stopped within {self.grace_period + _ACK_SECONDS:g}s")
             return
-        missing = sorted(set(range(self.nnodes)) - {r for r, n in self.nodes.items() if n.ports is not None})
         refused = f"; refused {sum(self.refusals.values())} connection(s): {self._refused()}" if self.refusals else ""
+        if self.elastic and len(self.nodes) < self.min_nodes:
+            self._end(EXIT_TIMEOUT, f"only {len(self.nodes)} node(s) within --start-timeout {self.start_timeout:g}s, "
+                      f"fewer than --nnodes {self.spec} needs{refused}; stopped all workers (start more nodes with the "
+                      f"same --master and token, or lower MIN)")
+            return
         if self.attempt > 0:
+            missing = sorted(n.rank for n in self.nodes.values() if n.ports is None)
             self._end(EXIT_TIMEOUT, f"node(s) {missing} did not restart within --start-timeout {self.start_timeout:g}s")
             return
+        asked = {n.asked for n in self.nodes.values()}
+        missing = sorted(set(range(self.nnodes)) - asked) if None not in asked else \
+            f"{self.nnodes - len(self.nodes)} of {self.nnodes}"
         self._end(EXIT_TIMEOUT, f"node(s) {missing} did not arrive at the master {self.where} within --start-timeout "
                   f"{self.start_timeout:g}s{refused} (start the same tfdist run command on every node, each with its "
                   f"own --node-rank, and the same token)")
@@ -383,6 +491,8 @@ class Master:
         self.phase = "ended"
         self.verdict = {"type": "end", "exit_code": exit_code, "message": message}
         self._broadcast(self.verdict)
+        for waiting in self.standby:
+            self._tell_the_verdict(waiting[0])
 
     def _tell_the_verdict(self, channel: wire.Channel) -> None:
         self._send(channel, self.verdict)
@@ -419,6 +529,10 @@ class Master:
             channel.send(message)
         except wire.WireError:
             pass  # its reader reports the loss
+
+
+def _nodes(count: int) -> str:
+    return "1 node" if count == 1 else f"{count} nodes"
 
 
 def _is_ip(host: str) -> bool:

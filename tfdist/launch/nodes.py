@@ -2,6 +2,7 @@
 
     export TFDIST_TOKEN=...        # the same secret on every node
     tfdist run --nnodes 2 --node-rank K --master 10.0.0.1:29400 -n 2 -- python train.py
+    tfdist run --nnodes 2:4 --master 10.0.0.1:29400 -n 2 -- python train.py   # elastic, ranks by arrival
 
 Every node's launcher connects to the master (``launch/master.py``, run by node 0's
 launcher at the ``--master`` address) and proves it knows the token (``launch/wire.py``).
@@ -11,7 +12,10 @@ arrived, the master sends the plan (every worker's address, in node-rank order) 
 node starts its share through ``local.run_here``: TF_CONFIG for its global rank, its
 local rank and size, ``TFDIST_NODE_RANK``/``TFDIST_NUM_NODES``. A worker that fails is
 reported to the master at once; the master stops every node, and restarts them all
-together or ends the job with one message that every node prints. Never imports TensorFlow.
+together or ends the job with one message that every node prints. Without ``--node-rank``,
+the launcher that can listen at ``--master`` serves it as node 0 and the master numbers the
+others; each plan tells a node its rank and the node count (an elastic job's change between
+rounds). Never imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -30,6 +35,7 @@ from tfdist.errors import NodeError
 from tfdist.launch import lifeline, local, master as master_lib, output, supervisor, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
+DEFAULT_RDZV_WAIT = 5.0  # seconds an elastic job waits for more nodes once MIN arrived
 _CONNECT_RETRY_SECONDS = 0.5
 _RETRY_SAY_SECONDS = 15.0
 
@@ -42,51 +48,61 @@ class _MasterSaid(Exception):
         self.message = message
 
 
-def launch(command: Sequence[str], *, nnodes: int, node_rank: int, master: tuple[str, int], token: str,
-           num_workers: int, settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
+def launch(command: Sequence[str], *, nnodes: int | tuple[int, int], node_rank: int | None, master: tuple[str, int],
+           token: str, rdzv_wait: float = DEFAULT_RDZV_WAIT,
+           num_workers: int = 1, settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
            host_address: str | None = None, timeout: float | None = None, max_restarts: int = 0,
            grace_period: float = 5.0, start_timeout: float = supervisor.DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None, serve_master: bool = True) -> int:
     """Runs this node's share of a multi-node job (and, on node 0, the master); returns the exit code.
 
+    ``nnodes``: N, or (MIN, MAX) for an elastic job. ``node_rank=None``: node 0 if this node can
+    listen at ``master`` (it serves the master), else whatever rank the master gives it.
     ``serve_master=False``: the master runs elsewhere (``tfdist run -H``'s own launcher, ``launch/ssh.py``).
     """
     out = out or sys.stdout.buffer
-    say = functools.partial(output.say, out, who=f"tfdist run [node {node_rank}/{nnodes}]")
+    settings, made_job_dir = supervisor.with_job_dir(settings)  # node 0's keeps rank 0's hvd.elastic commits
     previous_handlers = lifeline.stop_on_signals()
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
+    node = _Node(command, nnodes, node_rank, master, token, num_workers, settings, base_port, host_address,
+                 timeout, grace_period, start_timeout, out)
     try:
-        if node_rank == 0 and serve_master:
+        if node_rank in (0, None) and serve_master:
             coordinator = master_lib.Master(
                 master, nnodes, token, start_timeout=start_timeout, max_restarts=max_restarts,
-                fixed_ports=base_port is not None, grace_period=grace_period,
+                fixed_ports=base_port is not None, grace_period=grace_period, rdzv_wait=rdzv_wait,
                 say=functools.partial(output.say, out, who="tfdist run [master]"))
-            coordinator.start()
-        node = _Node(command, nnodes, node_rank, master, token, num_workers, settings, base_port, host_address,
-                     timeout, grace_period, start_timeout, out, say)
+            if coordinator.start(only_if_here=node_rank is None):
+                node.node_rank = 0
+            else:
+                coordinator = None
         exit_code = node.run()
         reason = node.last_words or reason
         return exit_code
     except (NodeError, master_lib.MasterError) as err:
-        say(str(err))
+        node.say(str(err))
         exit_code, reason = getattr(err, "exit_code", master_lib.EXIT_BAD_SETUP), str(err)
         return exit_code
     finally:
         if coordinator is not None:  # a no-op when the job has ended; else the other nodes learn why
-            coordinator.stop(exit_code, f"{reason}; stopped all workers on {nnodes} nodes")
+            coordinator.stop(exit_code, f"{reason}; stopped all workers on {coordinator.nnodes} nodes")
             coordinator.close(timeout=grace_period + master_lib.SILENCE_SECONDS)
         lifeline.restore(previous_handlers)
+        if made_job_dir:
+            shutil.rmtree(made_job_dir, ignore_errors=True)
 
 
 class _Node:
     """This node's launcher: joins the master, runs each round's share of workers, reports."""
 
     def __init__(self, command, nnodes, node_rank, master, token, num_workers, settings, base_port, host_address,
-                 timeout, grace_period, start_timeout, out, say):
-        self.command, self.nnodes, self.node_rank, self.master = command, nnodes, node_rank, master
+                 timeout, grace_period, start_timeout, out):
+        self.spec = list(nnodes) if isinstance(nnodes, tuple) else nnodes  # as the hello says it
+        self.nnodes = nnodes[1] if isinstance(nnodes, tuple) else nnodes  # this round's node count, once planned
+        self.node_rank, self.command, self.master = node_rank, command, master
         self.token, self.num_workers, self.settings, self.base_port = token, num_workers, settings, base_port
         self.host_address, self.grace_period, self.start_timeout = host_address, grace_period, start_timeout
-        self.out, self.say = out, say
+        self.out = out
         self.began = time.monotonic()
         self.deadline = None if timeout is None else self.began + timeout
         self.inbox: queue.Queue = queue.Queue()
@@ -95,11 +111,17 @@ class _Node:
         self.attempt = 0
         self.last_ping = 0.0
         self.reported = False
+        self.planned = False  # a plan came: node_rank and nnodes are this round's
         self.last_words: str | None = None  # why this node left, when the master did not say
 
     @property
     def where(self) -> str:
         return f"{self.master[0]}:{self.master[1]}"
+
+    def say(self, message: str) -> None:
+        rank = "?" if self.node_rank is None else self.node_rank
+        count = f"{self.spec[0]}:{self.spec[1]}" if isinstance(self.spec, list) and not self.planned else self.nnodes
+        output.say(self.out, message, who=f"tfdist run [node {rank}/{count}]")
 
     def run(self) -> int:
         try:
@@ -108,18 +130,23 @@ class _Node:
                 message = self._next()
                 kind = message.get("type")
                 if kind == "plan":
+                    self.attempt, self.node_rank = message["attempt"], message.get("node_rank", self.node_rank)
+                    self.nnodes, self.planned = message.get("nnodes", self.nnodes), True
                     self._run_round(message)
                 elif kind == "restart":
                     self.attempt = message["attempt"]
                     self.say(message["reason"])
                     self._send({"type": "ports", "attempt": self.attempt, "ports": self._ports()})
+                elif kind == "wait":
+                    self.say(message["reason"])
                 elif kind == "end":
                     summary = f" ({supervisor.summary(self.workers, self.began)})" if self.workers else ""
                     self.say(f"{message['message']}{summary}")
                     return int(message["exit_code"])
         except supervisor.Stop as stop:  # a signal between rounds, or while joining
             self.last_words = f"node {self.node_rank}: {stop}"
-            self._report_over({"message": self.last_words, "exit_code": stop.exit_code, "restartable": False})
+            self._report_over({"message": self.last_words, "exit_code": stop.exit_code, "restartable": False},
+                              leaving=True)
             self.say(f"{stop}; stopped this node's workers")
             return stop.exit_code
         finally:
@@ -136,7 +163,7 @@ class _Node:
         while True:
             sock = self._connect(retrying)
             host = self.host_address or sock.getsockname()[0]
-            hello = {"node_rank": self.node_rank, "nnodes": self.nnodes, "host": host,
+            hello = {"node_rank": self.node_rank, "nnodes": self.spec, "host": host,
                      "hostname": socket.gethostname(), "ports": self._ports()}
             try:
                 self.channel = wire.connect(sock, self.token, hello, f"the master at {self.where}")
@@ -190,7 +217,8 @@ class _Node:
                     return None
                 continue
             if message.get("type") == "lost":
-                raise NodeError(f"lost the master at {self.where} ({message['reason']}); stopped this node's workers")
+                raise NodeError(f"lost the master at {self.where} ({message['reason']}): the job ends with node 0, "
+                                "whose launcher serves the master; stopped this node's workers")
             return message
 
     def _ping_if_due(self) -> None:
@@ -204,9 +232,11 @@ class _Node:
         except wire.WireError:
             pass  # the reader reports the loss
 
-    def _report_over(self, failure: dict | None, port_clash: bool = False) -> None:
+    def _report_over(self, failure: dict | None, port_clash: bool = False, leaving: bool = False) -> None:
+        """``leaving``: this node's launcher stops (a signal); an elastic job goes on without it."""
         if self.channel is not None:
-            self._send({"type": "over", "attempt": self.attempt, "failure": failure, "port_clash": port_clash})
+            self._send({"type": "over", "attempt": self.attempt, "failure": failure, "port_clash": port_clash,
+                        "leaving": leaving})
 
     # One round -------------------------------------------------------------------------
 

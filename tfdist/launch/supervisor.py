@@ -107,9 +107,7 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
     deadline = None if timeout is None else began + timeout
     restarts = port_retries = 0
     workers: list[Worker] = []
-    given_job_dir = os.environ.get(cluster.ENV_JOB_DIR)
-    job_dir = given_job_dir or tempfile.mkdtemp(prefix="tfdist-job-")
-    settings = dataclasses.replace(settings, job_dir=job_dir)
+    settings, made_job_dir = with_job_dir(settings)
     previous_handlers = lifeline.stop_on_signals()
     try:
         while True:
@@ -140,8 +138,18 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
         return stop.exit_code
     finally:
         lifeline.restore(previous_handlers)
-        if not given_job_dir:
-            shutil.rmtree(job_dir, ignore_errors=True)
+        if made_job_dir:
+            shutil.rmtree(made_job_dir, ignore_errors=True)
+
+
+def with_job_dir(settings: WorkerSettings) -> tuple[WorkerSettings, str | None]:
+    """``settings`` with the job directory that outlives restarts: ``TFDIST_JOB_DIR``, else a new one.
+
+    Returns the settings and the directory made here (the caller removes it at the end), or None.
+    """
+    given = os.environ.get(cluster.ENV_JOB_DIR)
+    job_dir = given or tempfile.mkdtemp(prefix="tfdist-job-")
+    return dataclasses.replace(settings, job_dir=job_dir), None if given else job_dir
 
 
 def summary(workers: Sequence[Worker], began: float) -> str:

@@ -116,7 +116,10 @@ class Channel:
 
     def recv(self, timeout: float | None = None) -> dict:
         """The next message; WireError on a closed connection, a timeout or a bad signature."""
-        self.sock.settimeout(timeout)
+        try:
+            self.sock.settimeout(timeout)
+        except OSError:  # closed by this side meanwhile
+            raise WireError("connection closed by this side") from None
         frame = _recv_frame(self.sock)
         mac, payload = frame[:_MAC_SIZE], frame[_MAC_SIZE:]
         if not hmac.compare_digest(mac, _mac(self.key, self.peer, str(self._received).encode(), payload)):
