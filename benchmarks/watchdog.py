@@ -158,19 +158,23 @@ def main() -> None:
     for index in range(args.rounds):
         load = os.getloadavg()[0]
         result = run_round(args.steps, args.batch)
-        on, off = (statistics.median(result["seconds"][arm]) * 1000 for arm in ("on", "off"))
-        means = [statistics.mean(result["seconds"][arm]) * 1000 for arm in ("on", "off")]
-        ratios.append(on / off)
+        timed = result["seconds"]
+        on, off = (statistics.median(timed[arm]) * 1000 for arm in ("on", "off"))
+        # each (on, off, off, on) group of 4 steps: its 2 marked steps over its 2 unmarked ones (drift cancels)
+        quads = [(timed["on"][i] + timed["on"][i + 1]) / (timed["off"][i] + timed["off"][i + 1])
+                 for i in range(0, min(map(len, timed.values())) - 1, 2)]
+        ratios.append(statistics.median(quads))
         off_ms.append(off)
         thread_share.append(result["wakeup_cpu"] / result["wall"])
-        print(f"round {index + 1} (load average {load:.1f} at its start): median step with the marks {on:.2f} ms, "
-              f"without {off:.2f} ms, on/off {on / off:.3f} (means {means[0]:.2f} / {means[1]:.2f} ms, "
-              f"{means[0] / means[1]:.3f}); {len(result['seconds']['on'])} steps each; the watchdog thread woke "
-              f"{result['wakeups']} times, {1000 * result['wakeup_cpu']:.1f} ms of CPU in {result['wall']:.0f} s "
-              f"({100 * thread_share[-1]:.4f}%)", flush=True)
-    print(f"marks on/off over {len(ratios)} rounds: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}); median step {statistics.median(off_ms):.1f} ms with the marks off; the "
-          f"thread's wake-ups: {100 * statistics.median(thread_share):.4f}% of a worker's time (median)")
+        print(f"round {index + 1} (load average {load:.1f} at its start): {len(timed['on'])} steps each, median step "
+              f"with the marks {on:.2f} ms, without {off:.2f} ms; paired on/off per group of 4 steps: median "
+              f"{ratios[-1]:.3f} over {len(quads)} groups (means {statistics.mean(timed['on']) * 1000:.2f} / "
+              f"{statistics.mean(timed['off']) * 1000:.2f} ms); the watchdog thread woke {result['wakeups']} times, "
+              f"{1000 * result['wakeup_cpu']:.1f} ms of CPU in {result['wall']:.0f} s ({100 * thread_share[-1]:.4f}%)",
+              flush=True)
+    print(f"marks on/off, paired, over {len(ratios)} rounds: median {statistics.median(ratios):.3f} (min "
+          f"{min(ratios):.3f}, max {max(ratios):.3f}); median step {statistics.median(off_ms):.1f} ms with the marks "
+          f"off; the thread's wake-ups: {100 * statistics.median(thread_share):.4f}% of a worker's time (median)")
     if args.micro:
         pairs = micro(5)
         for index, (marked, unmarked) in enumerate(pairs):
