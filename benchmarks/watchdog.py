@@ -32,8 +32,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ORDER = ("on", "off", "off", "on")  # the arm of step i is ORDER[i % 4]
 
 
-def worker(out: str, steps: int, batch: int) -> None:
-    """Inside a job's worker: warm up, then time ``steps`` steps, each with the marks on or off (``ORDER``)."""
+def worker(out: str, steps: int, batch: int, control: bool = False) -> None:
+    """Inside a job's worker: warm up, then time ``steps`` steps, each with the marks on or off (``ORDER``).
+
+    ``control``: the marks stay on for every step (an A/A run: what the method reads when nothing differs).
+    """
     import tfdist
 
     strategy = tfdist.get_strategy()
@@ -71,7 +74,7 @@ def worker(out: str, steps: int, batch: int) -> None:
     started, cpu_before = time.perf_counter(), sum(wakeups)
     for index in range(steps):
         arm = ORDER[index % len(ORDER)]
-        runtime_hooks.step_marks.apply() if arm == "on" else runtime_hooks.step_marks.restore()
+        runtime_hooks.step_marks.apply() if arm == "on" or control else runtime_hooks.step_marks.restore()
         batch_now = next(data)
         start = time.perf_counter()
         step(*batch_now)
@@ -98,7 +101,7 @@ def _time_wakeups(watchdog) -> list[float]:
     return seconds
 
 
-def run_round(steps: int, batch: int) -> dict:
+def run_round(steps: int, batch: int, control: bool) -> dict:
     """One 2-worker job with the watchdog on; worker 0's timings."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
@@ -106,6 +109,7 @@ def run_round(steps: int, batch: int) -> dict:
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--timeout", "1800", "--",
                    sys.executable, __file__, "--worker", out, "--steps", str(steps), "--batch", str(batch)]
+        command += ["--control"] if control else []
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"the benchmark job failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -149,15 +153,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=800, help="timed steps per job, half of them with the marks")
     parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
     parser.add_argument("--micro", action="store_true", help="also time one marked tf.function call")
+    parser.add_argument("--control", action="store_true",
+                        help="A/A control: the marks stay on in both arms (the method's own bias)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.batch)
+        worker(args.worker, args.steps, args.batch, args.control)
         return
     ratios, off_ms, thread_share = [], [], []
     for index in range(args.rounds):
         load = os.getloadavg()[0]
-        result = run_round(args.steps, args.batch)
+        result = run_round(args.steps, args.batch, args.control)
         timed = result["seconds"]
         on, off = (statistics.median(timed[arm]) * 1000 for arm in ("on", "off"))
         # each (on, off, off, on) group of 4 steps: its 2 marked steps over its 2 unmarked ones (drift cancels)
