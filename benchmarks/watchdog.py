@@ -11,7 +11,9 @@ and applies and removes the marks between steps in the order on, off, off, on, .
 workers: neighbouring steps see the same load, and thousands of steps per arm give medians
 that the load moves alike. The thread cannot be taken out of a running job; its cost is
 timed directly: the CPU seconds its wake-ups took per second of training. Every round (job)
-is printed, then the medians (goal <= 1.01). ``--micro`` also times the mark alone, per call.
+is printed, then the medians (goal <= 1.01); ``--control`` keeps the marks on in both arms
+(an A/A run: the method's own bias on a loaded machine). ``--micro`` also times the mark
+alone, per call, and the same step-by-step comparison on a 1 ms tf.function in one process.
 
     python benchmarks/watchdog.py --rounds 4 --steps 800 --micro
 """
@@ -147,6 +149,38 @@ def micro(rounds: int) -> list[tuple[float, float]]:
     return results
 
 
+def one_process(calls: int = 4000) -> list[tuple[str, float, float, float]]:
+    """The marks on/off step by step (``ORDER``) on a 1 ms tf.function in this process, and an A/A control.
+
+    Returns (kind, median marked us, median unmarked us, paired median ratio) for on/off, control, on/off, control.
+    """
+    import tfdist  # noqa: F401  (arms its hooks before TensorFlow's import)
+    import tensorflow as tf
+
+    from tfdist import runtime_hooks
+
+    runtime_hooks.install()
+    weights = tf.Variable(tf.random.normal((256, 256)))
+    x = tf.random.normal((256, 256))
+    step = tf.function(lambda: weights.assign_add(tf.matmul(x, weights) * 1e-6))
+    for _ in range(20):
+        step()
+    results = []
+    for control in (False, True, False, True):
+        timed = {"on": [], "off": []}
+        for index in range(calls):
+            arm = ORDER[index % len(ORDER)]
+            runtime_hooks.step_marks.apply() if arm == "on" or control else runtime_hooks.step_marks.restore()
+            start = time.perf_counter()
+            step()
+            timed[arm].append(time.perf_counter() - start)
+        quads = [(timed["on"][i] + timed["on"][i + 1]) / (timed["off"][i] + timed["off"][i + 1])
+                 for i in range(0, calls // 2 - 1, 2)]
+        results.append(("control" if control else "on/off", statistics.median(timed["on"]) * 1e6,
+                        statistics.median(timed["off"]) * 1e6, statistics.median(quads)))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4, help="jobs")
@@ -186,6 +220,9 @@ def main() -> None:
         for index, (marked, unmarked) in enumerate(pairs):
             print(f"micro round {index + 1}: call marked {marked:.2f} us, unmarked {unmarked:.2f} us, "
                   f"cost {marked - unmarked:+.2f} us/call")
+        for kind, marked, unmarked, ratio in one_process():
+            print(f"one process, a 1 ms tf.function, {kind}: median call {marked:.0f} us marked, {unmarked:.0f} us "
+                  f"not; paired on/off {ratio:.3f}")
         cost_us = statistics.median(m - u for m, u in pairs)
         step_ms = statistics.median(off_ms)
         print(f"micro: median cost {cost_us:+.2f} us per tf.function call, {cost_us / 10 / step_ms:.4f}% of the "
