@@ -43,7 +43,7 @@ def test_a_bad_cell_name_is_named(name, message):
 @pytest.mark.timeout(900)  # about 20-30 cells at a few seconds each; a hung cell costs run.CELL_TIMEOUT
 @pytest.mark.parametrize("multi_worker", [False, True], ids=["one_process", "two_workers"])
 def test_the_pairwise_cells_train_like_one_device(tmp_path, multi_worker):
-    cells = [cell for cell in matrix.covering(2) if cell.multi_worker == multi_worker]
+    cells = [cell for cell in matrix.covering(2) + matrix.PINNED if cell.multi_worker == multi_worker]
     verdicts = run.run_group(cells, tmp_path)
     failed = [v for v in verdicts.values() if v.outcome == "fail"]
     assert not failed, run.table(verdicts)

@@ -57,3 +57,25 @@ def test_jit_compile_on_one_device_still_works():
     model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse", jit_compile=True)
     x = np.ones((8, 3), "float32")
     assert np.isfinite(model.fit(x, x[:, :1], batch_size=8, verbose=0).history["loss"]).all()
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_global_clipnorm"])
+def test_a_sparse_gradient_with_a_repeated_row_updates_as_its_dense_sum(optimizer):
+    """An Embedding's gradient holds a row per id looked up; Keras 3 squares the repeats of an id apart (Adam's
+    second moment, global_clipnorm's norm). Summed first (tfdist.keras_fixes.sparse_rows), the update is the dense
+    gradient's, which is what N devices apply."""
+    import keras
+
+    dense = tf.constant([[3.0, 3.0], [0.0, 0.0], [2.0, 5.0]])
+    repeated = tf.IndexedSlices(tf.constant([[1.0, 2.0], [2.0, 5.0], [2.0, 1.0]]), tf.constant([0, 2, 0]),
+                                tf.constant([3, 2]))
+
+    def updated(gradient):
+        variable = keras.Variable(tf.ones((3, 2)))
+        keras_optimizer = keras.optimizers.Adam(0.1) if optimizer == "adam" else \
+            keras.optimizers.SGD(0.1, global_clipnorm=1.0)
+        for _ in range(2):
+            keras_optimizer.apply([gradient], [variable])
+        return variable.numpy()
+
+    np.testing.assert_allclose(updated(repeated), updated(dense), rtol=1e-6)

@@ -4,7 +4,7 @@ Single-process cells run in one process (2 logical CPUs); tfdist.horovod cells i
 2-worker ``tfdist run`` job. A cell that fails with an error, hangs or kills its process is
 recorded, and a new process (job) goes on with the cells after it. Exit status 0 when no cell failed.
 
-    python -m tests.equivalence.run                  # all pairs (what CI runs)
+    python -m tests.equivalence.run                  # all pairs and matrix.PINNED (what CI runs)
     python -m tests.equivalence.run --strength 3     # every 3 values of 3 dimensions
     python -m tests.equivalence.run --all            # the full product
     python -m tests.equivalence.run --cell fit/adam/mixed_float16/0/none/even/embedding
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [Cell.parse(name) for name in args.cell]
     else:
         cells = matrix.full_product() if args.all else matrix.covering(args.strength)
+        cells += [cell for cell in matrix.PINNED if cell not in cells]
     if args.list:
         print("\n".join(cell.name for cell in cells))
         excluded = matrix.excluded_cells()

@@ -9,7 +9,9 @@ batch, and they are averaged across processes before they are applied.
   applies clipping, so clipping sees the averaged gradient, and with
   ``backward_passes_per_step=k`` it runs once per k micro-batches (Keras' own
   accumulation adds them up locally; there is no strategy here, so it works).
-* ``DistributedGradientTape(tape)`` all-reduces in ``tape.gradient``.
+* ``DistributedGradientTape(tape)`` all-reduces in ``tape.gradient``; given a
+  ``LossScaleOptimizer``'s ``scale_loss(loss)``, a float16 wire carries the gradients
+  unscaled (``tfdist.keras_fixes.scaled_loss``), as the optimizer's does.
 
 Both fuse the gradients into buckets, one all-reduce per bucket and dtype, last layers
 first, so inside a ``tf.function`` communication overlaps the backward pass
@@ -33,6 +35,7 @@ from tfdist.compression import Compression
 from tfdist.horovod import uneven as join_lib
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
+from tfdist.keras_fixes import scaled_loss
 from tfdist.patching import Patch
 
 # The Keras method _AllReduceBeforeUpdate overrides: if Keras stopped calling it, each process
@@ -97,8 +100,12 @@ class GradientReduction:
         self._flag, self._last_count = join_lib.ACTIVE, None
         self.optimizer = None  # the DistributedOptimizer it belongs to, if any (hvd.join applies its updates)
 
-    def reduce(self, gradients: list) -> list:
-        """The gradients combined across the process set; None entries stay None."""
+    def reduce(self, gradients: list, loss_scale=None) -> list:
+        """The gradients combined across the process set; None entries stay None.
+
+        ``loss_scale``: the gradients are of a loss scaled by it; on a lossy wire (fp16) they
+        travel divided by it (scaled ones overflow float16 where one device would not).
+        """
         present = [i for i, g in enumerate(gradients) if g is not None]
         tensors = [gradients[i] for i in present]
         if self.sparse_as_dense or not tf.executing_eagerly():
@@ -106,6 +113,10 @@ class GradientReduction:
             # gathered IndexedSlices has the step's row count as its shape, and a step or retrace with another
             # count (a partial batch) would meet the shape TensorFlow recorded for that collective's key.
             tensors = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in tensors]
+        if self.compression is Compression.none:
+            loss_scale = None
+        if loss_scale is not None:
+            tensors = [_times(t, 1 / loss_scale) for t in tensors]
         self.name = self._name(tensors)
         if self.per_tape and not tf.executing_eagerly():
             self.name, self.keys = process_group.trace_key_caches(self.name)  # the same keys in every trace
@@ -115,6 +126,8 @@ class GradientReduction:
         self._eager = tf.executing_eagerly()
         join_lib.count_step(self)
         reduced, self._last_count = self._reduce(tensors, self._flag)
+        if loss_scale is not None:
+            reduced = [_times(t, loss_scale) for t in reduced]
         result = list(gradients)
         for i, value in zip(present, reduced):
             result[i] = value
@@ -213,6 +226,13 @@ class GradientReduction:
         return tf.equal(not_finite, 0.0)
 
 
+def _times(gradient, factor):
+    """``gradient`` (a tensor or ``tf.IndexedSlices``) times ``factor``, in the gradient's dtype."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(_times(gradient.values, factor), gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype) if gradient.dtype.is_floating else gradient
+
+
 class _AllReduceBeforeUpdate:
     """Keras optimizer mixin: averages gradients across processes just before each update."""
 
@@ -305,7 +325,7 @@ class _AllReduceGradients:
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        return tf.nest.pack_sequence_as(grads, self._tfdist_reduction.reduce(flat))
+        return tf.nest.pack_sequence_as(grads, self._tfdist_reduction.reduce(flat, scaled_loss.scale_of(target)))
 
     def register_local_source(self, source):
         """Horovod's per-variable opt-out; not supported (every gradient is all-reduced)."""
