@@ -30,6 +30,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
   and ``"auto"``: tfdist picks K.
 * ``sync_batch_norm``: ``BatchNormalization(synchronized=True)`` across workers all-reduces in
   a lane of its own, so the gradient all-reduces need not wait for it (b/163099951).
+* ``preemption``: a stop signal or a callback's mid-epoch ``stop_training`` stops every worker
+  after one agreed step; a preempted fit saves through BackupAndRestore and exits 85.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
     from tfdist.keras_fixes import (accumulation, callbacks, distribution, distribution_cluster, gradient_buckets,
-                                    loss_scale, multi_worker, precision_check, replica_state, steps_per_execution,
-                                    sync_batch_norm, uneven, xla)
+                                    loss_scale, multi_worker, precision_check, preemption, replica_state,
+                                    steps_per_execution, sync_batch_norm, uneven, xla)
 
     return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
-            distribution_cluster.patch, distribution.patch)
+            distribution_cluster.patch, distribution.patch, preemption.patch)
 
 
 def apply_all() -> None:

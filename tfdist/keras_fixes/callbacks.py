@@ -151,6 +151,10 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
     path = self._training_metadata_path
     with_steps = atomic_files.is_local(path) and os.path.exists(path)
     _pending_skip = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
+    steps = self.params.get("steps")
+    if _pending_skip and steps and _pending_skip >= steps:  # saved at an epoch's last step: never replay it empty
+        self.model._initial_epoch += 1
+        _pending_skip = 0
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
