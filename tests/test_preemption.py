@@ -4,6 +4,7 @@ BackupAndRestore, exits 85, and the same command resumes exactly there (tests/wo
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -94,3 +95,31 @@ def test_sigterm_to_one_nodes_launcher_saves_both_nodes_at_one_step(tmp_path, un
     assert [r.returncode for r in second] == [0, 0], [r.output[-3000:] for r in second]
     results = {rank: json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)}
     assert_resumed_exactly(tmp_path, results, uninterrupted)
+
+
+def test_a_custom_loop_with_should_stop_saves_at_the_agreed_step_and_resumes_there(tmp_path):
+    result = run_job("custom_loop_job.py", tmp_path, timeout=300, launcher_args=(*GRACE, "--max-restarts", "1")).check()
+    assert "restarting all workers (1/1)" in result.output
+    start = result.results[0]["start"]
+    for rank in (0, 1):
+        runs = steps_by_run(tmp_path, rank)
+        assert len(runs) == 2 and runs[0] == list(range(start)) and runs[1] == list(range(start, 24)), runs
+        assert result.results[rank]["start"] == start > 10
+    model = common.equivalence_model()
+    x, y = common.regression_data(common.GLOBAL_BATCH * 24)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH), epochs=1, verbose=0)
+    for rank in (0, 1):
+        for got, want in zip(result.results[rank]["weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_stop_signals_come_from_the_environment_and_a_bad_name_is_a_clear_error():
+    from tfdist import preemption
+
+    assert preemption.signals_from_env({}) == (signal.SIGTERM, signal.SIGUSR1)
+    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "usr2, SIGTERM"}) == (signal.SIGUSR2, signal.SIGTERM)
+    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": ""}) == ()
+    with pytest.raises(ValueError, match=r"TFDIST_STOP_SIGNALS='SIGTERM,FOO': SIGFOO is not a signal .* SIGTERM,SIGUSR1"):
+        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "SIGTERM,FOO"})
+    with pytest.raises(ValueError, match="SIGKILL is not a signal a process can catch"):
+        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "KILL"})

@@ -58,7 +58,7 @@ class Decision:
 
 class _State:
     rank, size, started = 0, 1, False
-    training = False       # in fit, or a custom loop called should_stop: a signal now asks for a stop
+    training: str | None = None  # "fit" (Keras) or "loop" (should_stop was called): a signal now asks for a stop
     completed = 0          # steps the main thread completed
     check_at = sys.maxsize  # the main thread looks at the request once ``completed`` reaches it
     round = 0              # stops agreed so far in this process (a later fit may stop again)
@@ -109,8 +109,13 @@ def start(rank: int, size: int) -> bool:
 
 
 def training(on: bool) -> None:
-    """Notes that training runs (signals ask for a stop) or ended (signals do what they did before)."""
-    _State.training = on
+    """Notes that Keras' fit runs (signals ask for a stop) or ended (signals do what they did before)."""
+    _State.training = "fit" if on else None
+
+
+def in_fit() -> bool:
+    """Whether Keras' fit runs (it counts the steps itself; ``should_stop`` is for custom loops)."""
+    return _State.training == "fit"
 
 
 def _on_signal(signum, frame) -> None:
@@ -164,7 +169,7 @@ def should_stop(step: int) -> bool:
     Args:
         step: steps completed so far (the same count on every worker).
     """
-    _State.training = True
+    _State.training = _State.training or "loop"
     _State.completed = step
     if step < _State.check_at:
         return False
