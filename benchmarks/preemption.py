@@ -84,18 +84,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.batch, args.on)
         return
-    ratios, off_ms = [], []
-    for index in range(args.rounds):
-        order = [True, False] if index % 2 == 0 else [False, True]
-        times = {on: run_job(on, args.steps, args.batch) for on in order}
-        ratio = times[True].ms_per_step / times[False].ms_per_step
-        ratios.append(ratio)
-        off_ms.append(times[False].ms_per_step)
-        print(f"round {index + 1}: on {times[True].ms_per_step:.2f} ms/step, off {times[False].ms_per_step:.2f} "
-              f"ms/step, on/off {ratio:.3f} (first: {'on' if order[0] else 'off'})", flush=True)
-    if ratios:
-        print(f"on/off over {len(ratios)} rounds: median {statistics.median(ratios):.3f}, "
-              f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    _, off_ms = same_job.alternate(args.rounds, lambda on: run_job(on, args.steps, args.batch), "")
     if args.micro:
         pairs = micro(5)
         for index, (on, off) in enumerate(pairs):

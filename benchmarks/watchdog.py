@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -108,6 +109,23 @@ def micro(rounds: int) -> list[tuple[float, float]]:
     return results
 
 
+def alternate(rounds: int, run: Callable[[bool], StepTime], what: str) -> tuple[list[float], list[float]]:
+    """``rounds`` pairs of jobs, ``run(True)`` (on) and ``run(False)`` (off) in alternating order; prints
+    each round's on/off ratio and a summary; returns (ratios, off ms/step)."""
+    ratios, off_ms = [], []
+    for index in range(rounds):
+        order = [True, False] if index % 2 == 0 else [False, True]
+        times = {on: run(on) for on in order}
+        ratios.append(times[True].ms_per_step / times[False].ms_per_step)
+        off_ms.append(times[False].ms_per_step)
+        print(f"round {index + 1}: {what}on {times[True].ms_per_step:.2f} ms/step, off {times[False].ms_per_step:.2f} "
+              f"ms/step, on/off {ratios[-1]:.3f} (first: {'on' if order[0] else 'off'})", flush=True)
+    if ratios:
+        print(f"on/off over {len(ratios)} rounds: median {statistics.median(ratios):.3f}, "
+              f"mean {statistics.mean(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    return ratios, off_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -119,17 +137,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps, args.batch)
         return
-    ratios, off_ms = [], []
-    for index in range(args.rounds):
-        order = [("on", "600"), ("off", "0")] if index % 2 == 0 else [("off", "0"), ("on", "600")]
-        times = {name: run_job(name, value, args.steps, args.batch) for name, value in order}
-        ratio = times["on"].ms_per_step / times["off"].ms_per_step
-        ratios.append(ratio)
-        off_ms.append(times["off"].ms_per_step)
-        print(f"round {index + 1}: watchdog on {times['on'].ms_per_step:.2f} ms/step, off "
-              f"{times['off'].ms_per_step:.2f} ms/step, on/off {ratio:.3f} (first: {order[0][0]})", flush=True)
-    print(f"on/off over {len(ratios)} rounds: median {statistics.median(ratios):.3f}, "
-          f"mean {statistics.mean(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    ratios, off_ms = alternate(args.rounds, lambda on: run_job("on" if on else "off", "600" if on else "0",
+                                                             args.steps, args.batch), "watchdog ")
     if args.micro:
         pairs = micro(5)
         for index, (marked, unmarked) in enumerate(pairs):

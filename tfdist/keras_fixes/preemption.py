@@ -13,7 +13,7 @@ collective. With this fix, at every batch end of ``fit``:
   A stop that falls on an epoch's last step saves after the epoch's end (validation and
   epoch-end callbacks run first), so a resumed run never replays an empty epoch.
 
-``fit`` without BackupAndRestore in a job that handles stop signals warns once at start.
+``fit`` on several workers without BackupAndRestore warns once at start (worker 0).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def _arm(original, self, logs=None):
     global _warned
     original(self, logs)
     preemption.training(True)
-    if preemption.armed() and not _backups(self) and not _warned and preemption.rank() == 0:
+    if preemption.armed() and not _warned and preemption.rank() == 0 and not _backups(self) \
+            and process_group.num_workers(self.model.distribute_strategy) > 1:
         _warned = True
         print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
               "every worker stops at an agreed step but nothing is saved; add BackupAndRestore(DIR) to the "
