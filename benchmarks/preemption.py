@@ -30,6 +30,10 @@ REPO = same_job.REPO
 
 def worker(out: str, steps: int, batch: int, on: bool) -> None:
     if not on:
+        import tfdist
+
+        tfdist.get_strategy()  # first, as same_job.worker does: TensorFlow must not start before it
+        import keras  # noqa: F401  (tfdist's Keras fixes apply now; then this one is taken off)
         from tfdist.keras_fixes import preemption
 
         preemption.patch.restore()
