@@ -63,7 +63,7 @@ def leave_together(prefix: str, rank: int, size: int, exit_code: int, deadline: 
     sys.stderr.flush()
     put(f"{prefix}left/{rank}", "1")
     end = time.monotonic() + deadline
-    while time.monotonic() < end and any(get(f"{prefix}left/{r}") is None for r in range(size)):
+    while size > 1 and time.monotonic() < end and any(get(f"{prefix}left/{r}") is None for r in range(size)):
         time.sleep(0.2)
     if rank == 0 and size > 1:
         time.sleep(1.0)
