@@ -166,6 +166,8 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
         process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes
     if rank == 0:
         original(self, logs)
+    if workers > 1:
+        process_group.for_strategy(self.model.distribute_strategy).barrier()  # no worker sees it before it is gone
 
 
 def skip_next_epoch_steps(steps: int) -> None:
