@@ -20,8 +20,9 @@ checks it, imports inside functions included):
    ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
    ``launch/*``);
 1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``autotune`` (picks their setting from
-   measured steps), ``compression``, ``fusion``, ``devices``
-   (device specs, GPU pinning, threads), ``watchdog`` (the hang watchdog);
+   measured steps), ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning, threads),
+   ``watchdog`` (the hang watchdog), ``kvstore`` (the coordination service's key-value store),
+   ``preemption`` (the agreed stop);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
@@ -65,6 +66,9 @@ _EXPORTS = {
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",
     "set_autotune": "tfdist.autotune",
+    "should_stop": "tfdist.preemption",
+    "exit_if_preempted": "tfdist.preemption",
+    "EXIT_PREEMPTED": "tfdist.cluster",
 }
 # submodules reachable as attributes before their first import (tfdist.callbacks.X)
 _SUBMODULES = ("callbacks", "compression", "data", "horovod", "precision")

@@ -57,6 +57,12 @@ ENV_AUTOTUNE_FILE = "TFDIST_AUTOTUNE_FILE"
 # exit code of a worker it stops (tfdist run --hang-timeout sets the variable in every worker).
 ENV_HANG_TIMEOUT = "TFDIST_HANG_TIMEOUT"
 EXIT_HANG = 86
+# The exit code of a worker (and of ``tfdist run``) stopped by a signal after saving at the step every
+# worker agreed on (``tfdist.preemption``): a scheduler may requeue the job (docs/preemption.md).
+EXIT_PREEMPTED = 85
+# The signals that make a worker stop at an agreed step and exit EXIT_PREEMPTED, comma-separated
+# (default SIGTERM,SIGUSR1: Kubernetes, SLURM's scancel and --signal=USR1@T); "" turns it off.
+ENV_STOP_SIGNALS = "TFDIST_STOP_SIGNALS"
 DEFAULT_SLURM_PORT = 23456
 
 _TASK_TYPES = ("chief", "worker")

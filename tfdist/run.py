@@ -43,8 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-devices", type=int, default=None, help="split each worker's CPU into K logical devices")
     parser.add_argument("--port", type=int, default=None, help="first port (workers use PORT..PORT+N-1); default: free ports")
     parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
-    parser.add_argument("--max-restarts", type=int, default=0, help="restart all workers up to R times when one fails")
-    parser.add_argument("--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart all workers up to R times when one fails, or when a signal to one of them "
+                             f"preempted the job (exit code {cluster.EXIT_PREEMPTED}: resumed from its backup)")
+    parser.add_argument("--grace-period", type=float, default=supervisor.DEFAULT_GRACE_SECONDS,
+                        help="seconds the workers get to stop after a signal (SIGTERM, SIGUSR1, SIGINT) to this "
+                             "launcher: each stops at a step they all agree on, saves through the script's "
+                             f"BackupAndRestore and exits {cluster.EXIT_PREEMPTED}, as this launcher then does; "
+                             "SIGKILL after it (default: %(default)s; after a worker failed, at most "
+                             f"{supervisor.FAILURE_GRACE_SECONDS:g})")
     parser.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT,
                         help="stop the job when its workers have not all joined the tfdist cluster this many "
                              "seconds after the first tried (default: %(default)s)")

@@ -35,9 +35,7 @@ import traceback
 from typing import Any, Callable, Mapping
 
 import tensorflow as tf
-from tensorflow.python.eager import context  # private: TF's key-value store has no public API
-
-from tfdist import cluster
+from tfdist import cluster, kvstore
 
 ENV = cluster.ENV_HANG_TIMEOUT
 EXIT_HANG = cluster.EXIT_HANG
@@ -45,7 +43,6 @@ DEFAULT_HANG_TIMEOUT = 600.0
 # CPU seconds per second (all threads) under which a process counts as waiting, not working.
 IDLE_CPU = 0.05
 _PREFIX = "tfdist/watchdog/"
-_KV_TIMEOUT_MS = 500
 
 active = False  # whether this process's watchdog runs (tfdist's eager collectives skip their marks otherwise)
 _on_start: list[Callable[[], Any]] = []
@@ -169,7 +166,7 @@ class _Watchdog:
         # Keys that exist from the start: reading one never leaves a call pending in the store.
         self.publish(self.state(None, False, time.monotonic()))
         if self.rank == 0:
-            _kv_set(_PREFIX + "hang", "")
+            kvstore.put(_PREFIX + "hang", "")
         while True:
             time.sleep(self.tick)
             try:
@@ -182,7 +179,7 @@ class _Watchdog:
         self.cpu.append((now, cpu))
         while len(self.cpu) > 2 and self.cpu[1][0] <= now - self.timeout:
             self.cpu.popleft()
-        reported = _kv_get(_PREFIX + "hang")
+        reported = kvstore.get(_PREFIX + "hang")
         if reported:
             reported = json.loads(reported)
             self.stop(f"worker {reported['rank']} reported a hang:\n{reported['report']}", reporter=False)
@@ -212,13 +209,13 @@ class _Watchdog:
         key = (state["what"], state["last"], state["busy"])
         if key == self.published:
             return
-        _kv_set(f"{_PREFIX}state/{self.rank}", json.dumps(state))
+        kvstore.put(f"{_PREFIX}state/{self.rank}", json.dumps(state))
         self.published = key
 
     def peers(self, mine: dict) -> dict[int, dict]:
         found = {self.rank: mine}
         for rank in range(self.size):
-            value = None if rank == self.rank else _kv_get(f"{_PREFIX}state/{rank}")
+            value = None if rank == self.rank else kvstore.get(f"{_PREFIX}state/{rank}")
             if value is not None:
                 found[rank] = json.loads(value)
         return found
@@ -250,22 +247,14 @@ class _Watchdog:
         last_resort.start()
         atexit.register(os._exit, EXIT_HANG)  # a main thread that fails meanwhile (a peer left) exits with it too
         if reporter:
-            _kv_set(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
+            kvstore.put(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
         header = report if reporter else f"tfdist hang watchdog: stopping worker {self.rank}: {report}"
         sys.stderr.write(f"{header}\n{_stacks(self.rank)}"
                          f"Every worker prints its own stacks. {ENV} (tfdist run --hang-timeout) sets the timeout, "
                          "0 turns the watchdog off; see docs/troubleshooting.md.\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        _kv_set(f"{_PREFIX}stopped/{self.rank}", "1")
-        # Every worker leaves once all have read the report: one that left earlier would fail its peers' pending
-        # collectives, and they would exit with that error instead. Worker 0 holds the store, so it leaves last.
-        end = time.monotonic() + deadline
-        while time.monotonic() < end and any(_kv_get(f"{_PREFIX}stopped/{r}") is None for r in range(self.size)):
-            time.sleep(0.2)
-        if self.rank == 0:
-            time.sleep(1.0)
-        os._exit(EXIT_HANG)
+        kvstore.leave_together(_PREFIX, self.rank, self.size, EXIT_HANG, deadline)
 
 
 def _longest_call() -> "_Mark | None":
@@ -282,34 +271,3 @@ def _stacks(rank: int) -> str:
             parts.append(f"  Thread {names.get(ident, ident)}:\n" + "".join(
                 "    " + line for line in "".join(traceback.format_stack(frame)).splitlines(True)))
     return "".join(parts)
-
-
-def _context():
-    ctx = context.context()
-    return ctx if ctx.coordination_service is not None else None
-
-
-def _kv_get(key: str) -> str | None:
-    """The value of ``key`` in the coordination service's store, None when absent (or no store)."""
-    ctx = _context()
-    if ctx is None:
-        return None
-    try:
-        return ctx.get_config_key_value(key, _KV_TIMEOUT_MS)
-    except Exception:  # noqa: BLE001  (absent: DeadlineExceeded; the store gone: Unavailable)
-        return None
-
-
-def _kv_set(key: str, value: str) -> None:
-    """Sets ``key`` in the coordination service's store, replacing what it held (nothing without a store)."""
-    ctx = _context()
-    if ctx is None:
-        return
-    try:
-        ctx.delete_config_key_value(key)
-    except Exception:  # noqa: BLE001  (absent)
-        pass
-    try:
-        ctx.set_config_key_value(key, value)
-    except Exception:  # noqa: BLE001  (the store is gone: the job is ending anyway)
-        pass

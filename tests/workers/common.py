@@ -264,3 +264,13 @@ def collectives_waited_for(graph) -> dict:
                     stack.append(parent)
         waits[op] = [other for other in collectives if other.name in seen]
     return waits
+
+
+def resumable_model():
+    """``equivalence_model`` with Adam on a decaying learning rate: optimizer state a resumed run must restore."""
+    import keras
+
+    model = equivalence_model()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=5, decay_rate=0.9)
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=schedule), loss="mse")
+    return model

@@ -11,6 +11,9 @@ does it with restarts instead:
   all again. ``hvd.elastic.run`` then loads the last commit on rank 0, broadcasts it to
   every rank (``state.sync()``), calls the reset callbacks and runs the training function:
   the job resumes from the last commit, losing at most the batches since it.
+* A stop signal (``tfdist.preemption``) to any worker of a custom loop: every worker stops at
+  the same ``commit()``, which exits 85 once committed; ``--max-restarts`` restarts the job
+  from that commit (under Keras' fit, fit's own agreed stop acts first).
 * Under ``tfdist run --nnodes MIN:MAX`` nodes join and leave at such restarts too: the job
   restarts with the new number of workers, rank 0 (always on node 0, whose job directory
   keeps the commits) loads the last commit and the reset callbacks see the new size.
@@ -34,7 +37,7 @@ from typing import Any, Callable
 import keras
 import numpy as np
 
-from tfdist import atomic_files
+from tfdist import atomic_files, preemption
 from tfdist import cluster as cluster_lib
 from tfdist.horovod import basics, ops
 from tfdist.keras_fixes import callbacks as keras_fixes_callbacks
@@ -43,6 +46,7 @@ __all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State", "TensorF
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
 
 _state_numbers = itertools.count()
+_commits = itertools.count(1)  # commits of every state: the same count on every rank
 
 
 class State:
@@ -77,6 +81,8 @@ class State:
             payload = pickle.dumps(self._payload(), protocol=pickle.HIGHEST_PROTOCOL)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             atomic_files.atomic_write(lambda temp: _write_bytes(temp, payload), path)
+        if not preemption.in_fit() and preemption.should_stop(next(_commits)):
+            preemption.exit_if_preempted()  # every rank committed this same state: a restart resumes here
 
     def check_host_updates(self) -> None:
         """Nothing to check: no worker joins or leaves a running tfdist job."""

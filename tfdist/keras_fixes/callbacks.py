@@ -151,6 +151,10 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
     path = self._training_metadata_path
     with_steps = atomic_files.is_local(path) and os.path.exists(path)
     _pending_skip = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
+    steps = self.params.get("steps")
+    if _pending_skip and steps and _pending_skip >= steps:  # saved at an epoch's last step: never replay it empty
+        self.model._initial_epoch += 1
+        _pending_skip = 0
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
@@ -162,6 +166,8 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
         process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes
     if rank == 0:
         original(self, logs)
+    if workers > 1:
+        process_group.for_strategy(self.model.distribute_strategy).barrier()  # no worker sees it before it is gone
 
 
 def skip_next_epoch_steps(steps: int) -> None:

@@ -1,7 +1,8 @@
 """What signals to a launcher do to its workers, and what its death does to them.
 
-* The first SIGINT, SIGTERM or SIGHUP raises ``Stop`` in the launcher's main thread: it
-  stops its workers gently (SIGTERM, then SIGKILL after the grace period).
+* The first SIGINT, SIGTERM, SIGHUP or SIGUSR1 (SLURM's ``--signal``) raises ``Stop`` in the
+  launcher's main thread: it stops its workers gently (SIGTERM, which makes them save at an
+  agreed step: ``tfdist.preemption``; SIGKILL after the grace period).
 * A signal while the workers are being stopped, or any later signal, SIGKILLs every
   worker of this launcher at once (``watch``); the launcher still waits for them.
 * A launcher killed outright (SIGKILL, the OOM killer) takes its children with it: each
@@ -21,7 +22,7 @@ import signal
 import threading
 from typing import Callable
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1
 
 try:
@@ -78,7 +79,7 @@ def _kill_all_now() -> None:
 
 
 def stop_on_signals() -> dict | None:
-    """From now on (in the main thread): SIGINT/SIGTERM/SIGHUP raise Stop once, then kill at once.
+    """From now on (in the main thread): SIGINT/SIGTERM/SIGHUP/SIGUSR1 raise Stop once, then kill at once.
 
     Returns what ``restore`` needs to put the previous handlers back (None: nothing to restore:
     not the main thread, or an outer launcher installed them already).
@@ -119,7 +120,7 @@ def unwatch(key: object) -> None:
 
 @contextlib.contextmanager
 def signals_held():
-    """Defers SIGINT/SIGTERM/SIGHUP (in the main thread) until the block ends; they are then handled.
+    """Defers SIGINT/SIGTERM/SIGHUP/SIGUSR1 (in the main thread) until the block ends; they are then handled.
 
     A handler notes them rather than a blocked signal mask, which every child started in
     the block would inherit: such children ignore SIGTERM and only die by SIGKILL.

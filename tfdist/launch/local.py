@@ -16,7 +16,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.launch import lifeline, supervisor
-from tfdist.launch.supervisor import DEFAULT_START_TIMEOUT, WorkerSettings
+from tfdist.launch.supervisor import DEFAULT_GRACE_SECONDS, DEFAULT_START_TIMEOUT, WorkerSettings
 
 ENV_RESTART = "TFDIST_RESTART"
 
@@ -99,7 +99,7 @@ class ThisMachine:
 
 def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = WorkerSettings(),
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = 5.0, start_timeout: float = DEFAULT_START_TIMEOUT,
+           grace_period: float = DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None) -> int:
     """Runs the job's ``num_workers`` workers on this machine (``supervisor.launch``); returns the exit code."""
     return supervisor.launch(command, num_workers, settings, base_port, timeout, max_restarts, grace_period,

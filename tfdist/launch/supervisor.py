@@ -1,9 +1,12 @@
 """The supervisor every launcher uses: start a job's workers, watch them, stop them all.
 
-When one worker fails, every other worker is stopped (SIGTERM, then SIGKILL after a grace
-period, since TensorFlow's preemption handler may swallow SIGTERM) and ``launch`` exits with
-the failed worker's code, or restarts the whole job on fresh ports when ``max_restarts``
-allows. A start-up watchdog stops a job whose workers do not all join the cluster in time.
+When one worker fails, every other worker is stopped (SIGTERM, then SIGKILL after at most
+``FAILURE_GRACE_SECONDS``: the job's collectives are broken) and ``launch`` exits with the failed
+worker's code, or restarts the whole job on fresh ports when ``max_restarts`` allows. A signal
+to the launcher is forwarded (SIGTERM) to every worker, which then stop at one agreed step,
+save and exit ``cluster.EXIT_PREEMPTED`` (``tfdist.preemption``) within the grace period
+(SIGKILL after it); the launcher then exits EXIT_PREEMPTED too. Workers that exit
+EXIT_PREEMPTED on their own (a signal reached one of them) restart under ``max_restarts``. A start-up watchdog stops a job whose workers do not all join the cluster in time.
 The job ends with one summary line. Never imports TensorFlow.
 
 Where the workers of an attempt run is the ``hosts`` seam of ``launch``: this machine
@@ -35,6 +38,8 @@ EXIT_INTERRUPTED = 130
 _PORT_CLASH = b"address already in use"
 _PORT_CLASH_RETRIES = 3
 _POLL_SECONDS = 0.05
+DEFAULT_GRACE_SECONDS = 25.0  # inside Kubernetes' default 30 s between SIGTERM and SIGKILL
+FAILURE_GRACE_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +93,8 @@ def describe_exit(returncode: int) -> str:
     """'exited with code 3' or 'was killed by SIGKILL'."""
     if returncode < 0:
         return f"was killed by {signal.Signals(-returncode).name}"
+    if returncode == cluster.EXIT_PREEMPTED:
+        return f"exited with code {returncode} (preempted: it saved at the step every worker agreed on)"
     if returncode == cluster.EXIT_HANG:
         return f"exited with code {returncode} (tfdist's hang watchdog: it waited in a collective past the hang timeout)"
     return f"exited with code {returncode}"
@@ -95,7 +102,7 @@ def describe_exit(returncode: int) -> str:
 
 def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = WorkerSettings(),
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = 5.0, start_timeout: float = DEFAULT_START_TIMEOUT,
+           grace_period: float = DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None, *, hosts) -> int:
     """Runs the job, restarting it up to ``max_restarts`` times; returns the exit code.
 
@@ -125,6 +132,10 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
                 output.say(out, f"a port was taken before the workers bound it; retrying on fresh ports "
                                 f"({port_retries}/{_PORT_CLASH_RETRIES})")
                 continue
+            if restarts >= max_restarts and failure.returncode == cluster.EXIT_PREEMPTED:
+                output.say(out, f"{failure.describe()}; the job was preempted and saved: run the same command to "
+                                f"resume it (exit code {cluster.EXIT_PREEMPTED}; {summary(workers, began)})")
+                return failure.exit_code
             if restarts >= max_restarts:
                 output.say(out, f"{failure.describe()}; stopped all workers"
                                 + (f" after {restarts} restart(s)" if restarts else "")
@@ -161,18 +172,41 @@ def summary(workers: Sequence[Worker], began: float) -> str:
 def run_once(workers, start, count, deadline, grace_period, start_watch, on_poll=None):
     """Appends ``start(i)`` for i in 0..count-1 to ``workers``, waits, and stops them all.
 
-    Returns the first failure, or None. Every worker has exited when it returns or raises.
+    Returns the first failure, or None. Every worker has exited when it returns or raises. A Stop
+    (a signal, a timeout) after which every worker exited EXIT_PREEMPTED is raised again with that code.
     """
+    failure = None
     try:
         with lifeline.signals_held():  # a Ctrl-C mid-spawn must not lose a started worker's handle
             for local_rank in range(count):
                 workers.append(start(local_rank))
                 lifeline.watch(workers[-1], functools.partial(signal_group, workers[-1].process, signal.SIGKILL))
-        return _wait(workers, deadline, start_watch, on_poll)
+        failure = _wait(workers, deadline, start_watch, on_poll)
+        return failure
+    except Stop as stop:
+        _stop_all(workers, grace_period)
+        if workers and all(w.process.returncode == cluster.EXIT_PREEMPTED for w in workers):
+            raise Stop(f"{stop}: every worker saved at the step they agreed on (run the same command to resume; "
+                       f"exit code {cluster.EXIT_PREEMPTED})", cluster.EXIT_PREEMPTED) from None
+        raise
     finally:
-        with lifeline.stopping():  # a signal now SIGKILLs every worker rather than cutting this short
-            _stop_all(workers, grace_period)
+        broken = failure is not None and failure.returncode != cluster.EXIT_PREEMPTED
+        _stop_all(workers, min(grace_period, FAILURE_GRACE_SECONDS) if broken else grace_period)
+
+
+def _stop_all(workers: list[Worker], grace_period: float) -> None:
+    """SIGTERM every live worker's process group, then SIGKILL what is left after the grace period."""
+    with lifeline.stopping():  # a signal now SIGKILLs every worker rather than cutting this short
+        live = [w for w in workers if w.process.poll() is None]
+        for worker in live:
+            signal_group(worker.process, signal.SIGTERM)
+        end = time.monotonic() + grace_period
+        while any(w.process.poll() is None for w in live) and time.monotonic() < end:
+            time.sleep(_POLL_SECONDS)
         for worker in workers:
+            signal_group(worker.process, signal.SIGKILL)  # also reaps children a worker left behind
+            worker.process.wait()
+            worker.reader.join(timeout=5)
             lifeline.unwatch(worker)
 
 
@@ -234,20 +268,6 @@ def _wait(workers: list[Worker], deadline: float | None, start_watch: StartWatch
         if deadline is not None and time.monotonic() > deadline:
             raise Stop("the job ran past --timeout", EXIT_TIMEOUT)
         time.sleep(_POLL_SECONDS)
-
-
-def _stop_all(workers: list[Worker], grace_period: float) -> None:
-    """SIGTERM every live worker's process group, then SIGKILL what is left after the grace period."""
-    live = [w for w in workers if w.process.poll() is None]
-    for worker in live:
-        signal_group(worker.process, signal.SIGTERM)
-    end = time.monotonic() + grace_period
-    while any(w.process.poll() is None for w in live) and time.monotonic() < end:
-        time.sleep(_POLL_SECONDS)
-    for worker in workers:
-        signal_group(worker.process, signal.SIGKILL)  # also reaps children a worker left behind
-        worker.process.wait()
-        worker.reader.join(timeout=5)
 
 
 def signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:

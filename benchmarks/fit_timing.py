@@ -1,0 +1,73 @@
+"""A Keras fit job timed on 2 workers, and alternating on/off rounds of it (``benchmarks/preemption.py``).
+
+``worker`` runs inside each worker of a ``tfdist run -n 2`` job: a small CNN, a warm-up fit, then
+``steps`` steps timed (worker 0 writes the seconds). ``alternate`` runs pairs of jobs, a feature on
+and off, in alternating order, and prints every round's ratio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import time
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Milliseconds per training step of one job (worker 0's clock)."""
+
+    name: str
+    steps: int
+    seconds: float
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+
+def worker(out: str, steps: int, batch: int) -> None:
+    """Inside a job's worker: warm up, then time ``steps`` steps of fit."""
+    import tfdist
+
+    strategy = tfdist.get_strategy()
+    import keras
+    import tensorflow as tf
+
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images = tf.random.stateless_uniform((batch, 32, 32, 3), seed=(1, 2))
+    labels = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
+    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)  # warm-up: tracing, first steps
+    start = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    seconds = time.perf_counter() - start
+    if tfdist.rank() == 0:
+        pathlib.Path(out).write_text(json.dumps({"seconds": seconds}))
+
+
+def alternate(rounds: int, run: Callable[[bool], StepTime], what: str) -> tuple[list[float], list[float]]:
+    """``rounds`` pairs of jobs, ``run(True)`` (on) and ``run(False)`` (off) in alternating order; prints
+    each round's on/off ratio and a summary; returns (ratios, off ms/step)."""
+    ratios, off_ms = [], []
+    for index in range(rounds):
+        order = [True, False] if index % 2 == 0 else [False, True]
+        times = {on: run(on) for on in order}
+        ratios.append(times[True].ms_per_step / times[False].ms_per_step)
+        off_ms.append(times[False].ms_per_step)
+        print(f"round {index + 1}: {what}on {times[True].ms_per_step:.2f} ms/step, off {times[False].ms_per_step:.2f} "
+              f"ms/step, on/off {ratios[-1]:.3f} (first: {'on' if order[0] else 'off'})", flush=True)
+    if ratios:
+        print(f"on/off over {len(ratios)} rounds: median {statistics.median(ratios):.3f}, "
+              f"mean {statistics.mean(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}")
+    return ratios, off_ms

@@ -1,0 +1,125 @@
+"""Preemption: a stop signal (to the launcher, one worker, every process, one node) or one worker's
+callback stops every worker after the same step; a preempted job saves through Keras' own
+BackupAndRestore, exits 85, and the same command resumes exactly there (tests/workers/preempt_job.py)."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.jobs import WORKERS, run_job
+from tests.nodes_jobs import node_command, run_nodes
+from tests.workers import common
+from tfdist import cluster
+from tfdist.launch import local
+
+EPOCHS, STEPS = 3, 8
+ALL_STEPS = [[e, b] for e in range(EPOCHS) for b in range(STEPS)]
+GRACE = ("--grace-period", "25")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """Weights and optimizer iterations of the job never interrupted (one process, the same global batch)."""
+    model = common.resumable_model()
+    x, y = common.regression_data(common.GLOBAL_BATCH * STEPS)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH), epochs=EPOCHS, verbose=0)
+    return model.get_weights(), int(model.optimizer.iterations.numpy())
+
+
+def steps_by_run(out_dir, rank):
+    """The (epoch, batch) steps worker ``rank`` trained, one list per process it ran in, oldest first."""
+    paths = sorted(out_dir.glob(f"steps{rank}-*.json"), key=os.path.getmtime)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def assert_resumed_exactly(out_dir, results, uninterrupted):
+    weights, iterations = uninterrupted
+    for rank in (0, 1):
+        runs = steps_by_run(out_dir, rank)
+        assert len(runs) == 2 and runs[0][-1][0] == 1, runs  # stopped mid-epoch 1
+        assert runs[0] + runs[1] == ALL_STEPS  # no step lost, none repeated
+        assert results[rank]["iterations"] == iterations
+        for got, want in zip(results[rank]["weights"], weights):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+    assert not (out_dir / "backup").exists()  # deleted once training ended
+
+
+@pytest.mark.parametrize("mode", ["launcher", "all"])
+def test_sigterm_saves_every_worker_at_one_step_exits_85_and_the_same_command_resumes_there(
+        tmp_path, uninterrupted, mode):
+    first = run_job("preempt_job.py", tmp_path, mode, timeout=240, launcher_args=GRACE)
+    stopped_at = time.time()
+    assert first.returncode == cluster.EXIT_PREEMPTED, first.output[-4000:]
+    assert stopped_at - (tmp_path / "signalled").stat().st_mtime < 30
+    assert "every worker stopped after step" in first.output and "saved to" in first.output
+    assert "every worker saved at the step they agreed on" in first.output
+    metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 1 and 0 < metadata["steps_done_in_epoch"] < STEPS
+    second = run_job("preempt_job.py", tmp_path, mode, timeout=240, launcher_args=GRACE).check()
+    assert_resumed_exactly(tmp_path, second.results, uninterrupted)
+
+
+def test_sigterm_to_one_worker_under_max_restarts_resumes_in_the_same_command(tmp_path, uninterrupted):
+    result = run_job("preempt_job.py", tmp_path, "worker", timeout=300,
+                     launcher_args=(*GRACE, "--max-restarts", "1")).check()
+    assert "exited with code 85 (preempted" in result.output and "restarting all workers (1/1)" in result.output
+    assert "SIGTERM to worker 1" in result.output
+    assert_resumed_exactly(tmp_path, result.results, uninterrupted)
+
+
+def test_a_callback_stopping_one_worker_mid_epoch_stops_every_worker_after_the_same_step(tmp_path):
+    result = run_job("preempt_job.py", tmp_path, "callback", timeout=240).check()
+    runs = [steps_by_run(tmp_path, rank) for rank in (0, 1)]
+    assert len(runs[0]) == len(runs[1]) == 1 and runs[0] == runs[1], runs
+    assert runs[0][0][-1][0] == 1 and runs[0][0][-1][1] < STEPS - 1  # stopped mid-epoch 1, after batch 2
+    assert result.results[0]["weights"] == result.results[1]["weights"]
+    assert result.results[0]["iterations"] == result.results[1]["iterations"] == len(runs[0][0])
+
+
+def test_sigterm_to_one_nodes_launcher_saves_both_nodes_at_one_step(tmp_path, uninterrupted):
+    def both_nodes():
+        master = f"127.0.0.1:{local.free_ports(1)[0]}"
+        worker = [sys.executable, str(WORKERS / "preempt_job.py"), str(tmp_path), "launcher"]
+        return run_nodes([node_command(rank, 2, master, worker, *GRACE, timeout=240) for rank in (0, 1)],
+                         timeout=300)
+
+    first = both_nodes()
+    assert [r.returncode for r in first] == [cluster.EXIT_PREEMPTED] * 2, [r.output[-3000:] for r in first]
+    second = both_nodes()
+    assert [r.returncode for r in second] == [0, 0], [r.output[-3000:] for r in second]
+    results = {rank: json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)}
+    assert_resumed_exactly(tmp_path, results, uninterrupted)
+
+
+def test_a_custom_loop_with_should_stop_saves_at_the_agreed_step_and_resumes_there(tmp_path):
+    result = run_job("custom_loop_job.py", tmp_path, timeout=300, launcher_args=(*GRACE, "--max-restarts", "1")).check()
+    assert "restarting all workers (1/1)" in result.output
+    start = result.results[0]["start"]
+    for rank in (0, 1):
+        runs = steps_by_run(tmp_path, rank)
+        assert len(runs) == 2 and runs[0] == list(range(start)) and runs[1] == list(range(start, 24)), runs
+        assert result.results[rank]["start"] == start > 10
+    model = common.equivalence_model()
+    x, y = common.regression_data(common.GLOBAL_BATCH * 24)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH), epochs=1, verbose=0)
+    for rank in (0, 1):
+        for got, want in zip(result.results[rank]["weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_stop_signals_come_from_the_environment_and_a_bad_name_is_a_clear_error():
+    from tfdist import preemption
+
+    assert preemption.signals_from_env({}) == (signal.SIGTERM, signal.SIGUSR1)
+    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "usr2, SIGTERM"}) == (signal.SIGUSR2, signal.SIGTERM)
+    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": ""}) == ()
+    with pytest.raises(ValueError, match=r"TFDIST_STOP_SIGNALS='SIGTERM,FOO': SIGFOO is not a signal .* SIGTERM,SIGUSR1"):
+        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "SIGTERM,FOO"})
+    with pytest.raises(ValueError, match="SIGKILL is not a signal a process can catch"):
+        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "KILL"})

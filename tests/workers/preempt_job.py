@@ -1,0 +1,61 @@
+"""3 epochs of 8 steps with Keras' own BackupAndRestore (default save_freq="epoch") in OUT_DIR/backup.
+
+`preempt_job.py OUT_DIR MODE`: at epoch 1, batch 2 of the first run (no OUT_DIR/signalled yet),
+MODE says who is asked to stop: "launcher" (worker 0 SIGTERMs tfdist run), "worker" (worker 1
+SIGTERMs itself), "all" (worker 0 SIGTERMs the launcher and every worker), "callback" (a callback
+on worker 1 sets model.stop_training). Every worker appends each (epoch, batch) it trained to
+OUT_DIR/steps<rank>-<pid>.json as it goes, and writes its final weights and
+optimizer.iterations when fit returns.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import keras
+import tensorflow as tf
+
+from tests.workers import common
+
+out_dir, mode = sys.argv[1], sys.argv[2]
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+rank = int(os.environ["TFDIST_WORKER_INDEX"])
+EPOCHS, STEPS, AT = 3, 8, (1, 2)
+marker = os.path.join(out_dir, "signalled")
+with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+
+
+class Inject(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps, self.path = [], os.path.join(out_dir, f"steps{rank}-{os.getpid()}.json")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append([self.epoch, batch])
+        with open(self.path, "w") as f:
+            json.dump(self.steps, f)
+        if (self.epoch, batch) != AT or os.path.exists(marker):
+            return
+        if mode == "callback" and rank == 1:
+            self.model.stop_training = True
+        elif rank == (1 if mode == "worker" else 0) and mode != "callback":
+            open(marker, "w").close()
+            targets = {"launcher": [os.getppid()], "worker": [os.getpid()],
+                       "all": [os.getppid()] + [int(open(os.path.join(out_dir, f"pid{r}")).read()) for r in (0, 1)]}
+            for pid in targets[mode]:
+                os.kill(pid, signal.SIGTERM)
+
+
+with strategy.scope():
+    model = common.resumable_model()
+x, y = common.regression_data(common.GLOBAL_BATCH * STEPS)
+inject = Inject()
+model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH), epochs=EPOCHS, verbose=0,
+          callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), inject])
+common.write_result(out_dir, {"weights": [w.tolist() for w in model.get_weights()],
+                              "iterations": int(model.optimizer.iterations.numpy()), "steps": inject.steps})

@@ -1,0 +1,103 @@
+"""``fit`` stops at a step every worker agreed on, and a preempted job saves there (``tfdist.preemption``).
+
+Keras 3's BackupAndRestore has no ``save_before_preemption`` (tf_keras 2's had it, on TF's
+PreemptionCheckpointHandler, custom loops only), and a callback that sets
+``model.stop_training`` mid-epoch on one worker leaves the others alone in the next step's
+collective. With this fix, at every batch end of ``fit``:
+
+* a callback's ``model.stop_training = True`` on one worker of several becomes a request:
+  every worker stops after the same agreed step (exit 0, the same weights);
+* a stop signal (SIGTERM, SIGUSR1) to any worker makes every worker stop after the agreed
+  step, save through the user's ``BackupAndRestore`` (its mid-epoch state: the epoch and
+  the steps done in it, which ``tfdist.keras_fixes.callbacks`` resumes at), and exit 85.
+  A stop that falls on an epoch's last step saves after the epoch's end (validation and
+  epoch-end callbacks run first), so a resumed run never replays an empty epoch.
+
+``fit`` on several workers without BackupAndRestore warns once at start (worker 0).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from keras.src.callbacks.backup_and_restore import BackupAndRestore
+from keras.src.callbacks.callback_list import CallbackList
+
+from tfdist import preemption, process_group
+from tfdist.patching import Patch
+
+patch = Patch(
+    "preemption", "keras#19280 (Keras 3 dropped BackupAndRestore(save_before_preemption))",
+    without="a SIGTERM kills the workers with nothing saved since the last backup, and a callback that stops one "
+            "worker mid-epoch leaves the others waiting in the next step's collective.")
+
+_warned = False
+
+
+def _backups(callbacks: CallbackList) -> list[BackupAndRestore]:
+    return [c for c in callbacks.callbacks if isinstance(c, BackupAndRestore)]
+
+
+@patch.replaces(CallbackList, "on_train_begin", ("self", "logs"))
+def _arm(original, self, logs=None):
+    global _warned
+    original(self, logs)
+    preemption.training(True)
+    if preemption.armed() and not _warned and preemption.rank() == 0 and not _backups(self) \
+            and process_group.num_workers(self.model.distribute_strategy) > 1:
+        _warned = True
+        print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
+              "every worker stops at an agreed step but nothing is saved; add BackupAndRestore(DIR) to the "
+              "callbacks to resume there (docs/preemption.md).", file=sys.stderr, flush=True)
+
+
+@patch.replaces(CallbackList, "on_train_batch_end", ("self", "batch", "logs"))
+def _stop_at_the_agreed_step(original, self, batch, logs=None):
+    original(self, batch, logs)
+    model = self.model
+    if model.stop_training and process_group.num_workers(model.distribute_strategy) > 1:
+        model.stop_training = False  # one worker alone must not stop: ask every worker to stop together
+        preemption.request(f"a callback set model.stop_training on worker {preemption.rank()} "
+                           f"at batch {batch}")
+    decision = preemption.step_done()
+    if decision is None:
+        return
+    model.stop_training = True
+    steps = self.params.get("steps")
+    if decision.preempt and not (steps and batch + 1 >= steps):
+        _save_and_exit(self, decision)
+    elif not decision.preempt:
+        preemption.next_round()
+    # a preemption at an epoch's last step: saved after the epoch's end (below)
+
+
+@patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
+def _preempted_after_the_epoch(original, self, epoch, logs=None):
+    original(self, epoch, logs)
+    decision = preemption.decision()
+    if decision is not None and decision.preempt:
+        _save_and_exit(self, decision)
+
+
+@patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
+def _disarm(original, self, logs=None):
+    preemption.training(False)
+    original(self, logs)
+
+
+def _save_and_exit(callbacks: CallbackList, decision: preemption.Decision) -> None:
+    """Saves through every BackupAndRestore (worker 0's files kept) and exits EXIT_PREEMPTED on every worker."""
+    backups = _backups(callbacks)
+    for backup in backups:
+        backup._save_model()
+    head = f"tfdist: preempted ({decision.why}): every worker stopped after step {decision.step}"
+    if backups:
+        backup = backups[0]
+        where = (f"epoch {backup._current_epoch + 1}, step {backup._tfdist_steps_done} of it"
+                 if getattr(backup, "_tfdist_steps_done", 0) else f"the end of epoch {backup._current_epoch}")
+        message = (f"{head} ({where}) and saved to {backup.backup_dir}; run the same command to resume there. "
+                   f"Exit code {preemption.EXIT_PREEMPTED}.")
+    else:
+        message = (f"{head}; nothing was saved (no keras.callbacks.BackupAndRestore in fit's callbacks): the "
+                   f"{decision.step} step(s) this run trained are lost. Exit code {preemption.EXIT_PREEMPTED}.")
+    preemption.exit_preempted(message)
