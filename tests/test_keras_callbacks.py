@@ -80,6 +80,28 @@ def test_logging_and_decision_callbacks_work_under_mirrored(mirrored, tmp_path):
     keras.models.load_model(tmp_path / "m-2.keras")
 
 
+def test_early_stopping_and_reduce_lr_go_on_from_the_backup_after_a_restore(mirrored, tmp_path):
+    """Their counters (patience waited, best, cooldown) are in the backup: a resumed fit stops at the same epoch
+    with the same learning rate as one never cut (Keras resets them in on_train_begin: it stopped 2 epochs later)."""
+    def counters():  # every epoch after the first is no improvement (min_delta): a wait each epoch
+        return [keras.callbacks.EarlyStopping(monitor="loss", patience=3, min_delta=1e9),
+                keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=2, min_delta=1e9, factor=0.5)]
+
+    def learning_rate(model):
+        return float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+
+    whole = counters()
+    uncut = fit(mirrored, whole, epochs=10)
+    assert whole[0].stopped_epoch == 3
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="preempted"):
+        fit(mirrored, [keras.callbacks.BackupAndRestore(backup), *counters(), Interrupt(at=(2, 1))], epochs=10)
+    resumed = counters()
+    model = fit(mirrored, [keras.callbacks.BackupAndRestore(backup), *resumed], epochs=10)
+    assert (resumed[0].stopped_epoch, resumed[0].best) == (whole[0].stopped_epoch, whole[0].best)
+    assert learning_rate(model) == learning_rate(uncut) < 0.05  # lowered once, at the same epoch
+
+
 def test_every_patch_is_applied_on_this_keras():
     assert [(p.name, p.applied, p.problem) for p in keras_fixes.PATCHES] == [
         ("multi_worker_fit", True, None), ("loss_scale", True, None), ("gradient_buckets", True, None),

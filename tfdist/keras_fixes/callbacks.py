@@ -38,6 +38,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
 from tfdist import atomic_files, process_group
+from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -141,7 +142,8 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
         atomic_files.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
         atomic_files.write_text(metadata, json.dumps({
             "epoch": self._current_epoch, "batch": self._last_batch_seen,
-            STEPS_DONE: getattr(self, "_tfdist_steps_done", 0)}))
+            STEPS_DONE: getattr(self, "_tfdist_steps_done", 0),
+            callback_state.KEY: callback_state.snapshot(getattr(self, "_tfdist_callbacks", ()))}))
 
 
 @patch.replaces(BackupAndRestore, "on_train_begin", ("self", "logs"))

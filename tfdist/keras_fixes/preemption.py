@@ -13,7 +13,10 @@ collective. With this fix, at every batch end of ``fit``:
   A stop that falls on an epoch's last step saves after the epoch's end (validation and
   epoch-end callbacks run first), so a resumed run never replays an empty epoch.
 
-``fit`` on several workers without BackupAndRestore warns once at start (worker 0).
+``fit`` on several workers without BackupAndRestore warns once at start (worker 0). After a
+restore, EarlyStopping's and ReduceLROnPlateau's counters go on from the backup
+(``tfdist.keras_fixes.callback_state``); BackupAndRestore moves to the end of the callbacks, so
+it saves after every other callback's epoch end (ReduceLROnPlateau's lowered rate included).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from keras.src.callbacks.backup_and_restore import BackupAndRestore
 from keras.src.callbacks.callback_list import CallbackList
 
 from tfdist import preemption, process_group
+from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -42,8 +46,14 @@ def _backups(callbacks: CallbackList) -> list[BackupAndRestore]:
 def _arm(original, self, logs=None):
     global _warned
     original(self, logs)
+    backups = _backups(self)
+    # BackupAndRestore last: its saves hold every other callback's epoch end (a lowered rate, the counters)
+    self.callbacks = [c for c in self.callbacks if not isinstance(c, BackupAndRestore)] + backups
+    for backup in backups:
+        backup._tfdist_callbacks = self.callbacks
+        callback_state.restore(self.callbacks, backup._training_metadata_path)
     preemption.training(True)
-    if preemption.armed() and not _warned and preemption.rank() == 0 and not _backups(self) \
+    if preemption.armed() and not _warned and preemption.rank() == 0 and not backups \
             and process_group.num_workers(self.model.distribute_strategy) > 1:
         _warned = True
         print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
