@@ -252,8 +252,8 @@ class _Node:
             if said.message.get("type") == "end":
                 self.inbox.put(said.message)  # handled by run()
         except supervisor.Stop as stop:  # --timeout, the start watchdog, or a signal to this launcher
-            if stop.exit_code in (128 + sig for sig in lifeline.SIGNALS):
-                raise  # run() reports it and leaves
+            if stop.exit_code in (*(128 + sig for sig in lifeline.SIGNALS), cluster.EXIT_PREEMPTED):
+                raise  # a signal (its workers saved, or not): run() reports it and leaves
             failure = {"message": f"node {self.node_rank}: {stop}", "exit_code": stop.exit_code, "restartable": False}
         self._report_over(failure, port_clash=any(w.saw_port_clash for w in self.workers))
 
