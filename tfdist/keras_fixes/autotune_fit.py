@@ -12,6 +12,7 @@ they keep the default buckets, or the setting autotune chose earlier in the proc
 from __future__ import annotations
 
 import math
+import sys
 
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
@@ -32,10 +33,11 @@ def _tuned_train_function(original, self, force=False):
         return self.train_function
     result = original(self, force=True)
     strategy = self.distribute_strategy
-    if self.run_eagerly or not process_group.is_multi_worker(strategy) or buckets.explicit() \
-            or not autotune.enabled():
+    if self.run_eagerly or not process_group.is_multi_worker(strategy):
         return result
     group = process_group.for_strategy(strategy)
+    if not _the_chief_tunes(group):
+        return result
     chief = group.rank == 0
     sizes, kinds = _gradients(self)
     key = autotune.key(_hosts(strategy), sizes, kinds)
@@ -78,6 +80,23 @@ def _tuner(model, make_train_function, settings, group, key) -> autotune.Tuner:
             model.train_function = function  # from now on Keras calls it directly
 
     return autotune.Tuner(settings, make, steps_of, agree, settle)
+
+
+def _the_chief_tunes(group) -> bool:
+    """Whether worker 0 tunes (autotune on, no bucket size set there); every worker follows it (one broadcast).
+
+    A worker whose own setting differs (``TFDIST_AUTOTUNE`` set on one host only) would otherwise tune alone
+    and wait forever in a broadcast the others never join; it says so once and does as worker 0 does.
+    """
+    mine = int(autotune.enabled() and not buckets.explicit())
+    with tf.init_scope():
+        chiefs = int(group.broadcast(tf.constant([mine], tf.int64), 0, device="CPU").numpy()[0])
+    if chiefs != mine:
+        print(f"tfdist autotune: worker {group.rank} would {'tune' if mine else 'not tune'} the gradient buckets "
+              f"but worker 0 {'tunes' if chiefs else 'does not'} ({autotune.ENV}, TFDIST_BUCKET_BYTES or "
+              f"set_bucket_bytes differ between workers): following worker 0; set them alike on every worker.",
+              file=sys.stderr, flush=True)
+    return bool(chiefs)
 
 
 def _recorded(group, key: str) -> autotune.Setting | None:
