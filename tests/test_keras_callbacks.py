@@ -95,9 +95,9 @@ def test_early_stopping_and_reduce_lr_go_on_from_the_backup_after_a_restore(mirr
     assert whole[0].stopped_epoch == 3
     backup = str(tmp_path / "backup")
     with pytest.raises(RuntimeError, match="preempted"):
-        fit(mirrored, [keras.callbacks.BackupAndRestore(backup), *counters(), Interrupt(at=(2, 1))], epochs=10)
-    resumed = counters()
-    model = fit(mirrored, [keras.callbacks.BackupAndRestore(backup), *resumed], epochs=10)
+        fit(mirrored, [*counters(), Interrupt(at=(2, 1)), keras.callbacks.BackupAndRestore(backup)], epochs=10)
+    resumed = counters()  # BackupAndRestore last, as docs/preemption.md says: it saves after their epoch end
+    model = fit(mirrored, [*resumed, keras.callbacks.BackupAndRestore(backup)], epochs=10)
     assert (resumed[0].stopped_epoch, resumed[0].best) == (whole[0].stopped_epoch, whole[0].best)
     assert learning_rate(model) == learning_rate(uncut) < 0.05  # lowered once, at the same epoch
 

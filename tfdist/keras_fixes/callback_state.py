@@ -5,7 +5,9 @@ Keras 3's BackupAndRestore saves the weights, the optimizer and the epoch; every
 whole patience again and ReduceLROnPlateau its whole wait: the resumed job stops (or lowers the
 rate) later than one never interrupted. tfdist writes those counters into the backup's training
 metadata (key ``"callbacks"``, ``tfdist.keras_fixes.callbacks``) and sets them back once every
-callback's ``on_train_begin`` has run (``tfdist.keras_fixes.preemption``). EarlyStopping's
+callback's ``on_train_begin`` has run (``tfdist.keras_fixes.preemption``). A backup holds them as
+they were when it saved: Keras runs callbacks in list order, so one listed after BackupAndRestore
+is saved as of the epoch before (list BackupAndRestore last to keep every epoch end). EarlyStopping's
 ``best_weights`` (``restore_best_weights=True``) are not kept: they start again from the restore.
 """
 

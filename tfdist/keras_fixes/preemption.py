@@ -15,8 +15,8 @@ collective. With this fix, at every batch end of ``fit``:
 
 ``fit`` on several workers without BackupAndRestore warns once at start (worker 0). After a
 restore, EarlyStopping's and ReduceLROnPlateau's counters go on from the backup
-(``tfdist.keras_fixes.callback_state``); BackupAndRestore moves to the end of the callbacks, so
-it saves after every other callback's epoch end (ReduceLROnPlateau's lowered rate included).
+(``tfdist.keras_fixes.callback_state``): as they were when it saved (Keras runs callbacks in list
+order, so list BackupAndRestore after them to keep their epoch end).
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ def _arm(original, self, logs=None):
     global _warned
     original(self, logs)
     backups = _backups(self)
-    # BackupAndRestore last: its saves hold every other callback's epoch end (a lowered rate, the counters)
-    self.callbacks = [c for c in self.callbacks if not isinstance(c, BackupAndRestore)] + backups
-    for backup in backups:
+    for backup in backups:  # its saves keep the other callbacks' counters; a restore sets them back
         backup._tfdist_callbacks = self.callbacks
         callback_state.restore(self.callbacks, backup._training_metadata_path)
     preemption.training(True)
