@@ -28,6 +28,19 @@ class StepTime:
         return 1000 * self.seconds / self.steps
 
 
+def small_cnn():
+    """The benchmarks' small CNN (32x32x3 images, 10 classes), built in the current scope."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(10),
+    ])
+
+
 def worker(out: str, steps: int, batch: int) -> None:
     """Inside a job's worker: warm up, then time ``steps`` steps of fit."""
     import tfdist
@@ -37,13 +50,7 @@ def worker(out: str, steps: int, batch: int) -> None:
     import tensorflow as tf
 
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.GlobalAveragePooling2D(),
-            keras.layers.Dense(10),
-        ])
+        model = small_cnn()
         model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     images = tf.random.stateless_uniform((batch, 32, 32, 3), seed=(1, 2))
     labels = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
