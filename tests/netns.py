@@ -140,6 +140,18 @@ def bridged(count: int, names: Sequence[str] | None = None, prefix: str = _PREFI
         _remove(switch)
 
 
+@contextlib.contextmanager
+def bridged_or_skip(count: int) -> Iterator[list[Host]]:
+    """``bridged(count)`` for a pytest fixture: the test is skipped, with the reason, where namespaces are unavailable."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"network namespaces are not available on this machine: {reason}")
+    with bridged(count) as made:
+        yield made
+
+
 def _write_hosts_file(host: Host, every: Sequence[Host]) -> None:
     os.makedirs(f"/etc/netns/{host.namespace}", exist_ok=True)
     lines = ["127.0.0.1 localhost"] + [f"{h.address} {h.hostname}" for h in every]

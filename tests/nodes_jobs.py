@@ -75,10 +75,9 @@ def run_nodes(commands: Sequence[Sequence[str]], env: dict[str, str] | None = No
             token = tokens[i] if tokens else TOKEN
             processes.append(subprocess.Popen(list(command), env=job_env({"TFDIST_TOKEN": token, **(env or {})}),
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in processes]
-        return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
-    finally:
+    except BaseException:
         for process in processes:
-            process.kill()
-            process.wait()
+            process.kill()  # a launcher started before the error must not outlive it; finish reaps it
+        finish(processes)
+        raise
+    return finish(processes, timeout)

@@ -92,10 +92,7 @@ def test_tfdist_master_and_nnodes_stand_for_the_flags_anywhere():
 
 @pytest.fixture(scope="module")
 def two_pods():
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(f"network namespaces are not available on this machine: {reason}")
-    with netns.bridged(2) as made:
+    with netns.bridged_or_skip(2) as made:
         yield made
 
 
