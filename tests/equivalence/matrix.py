@@ -172,7 +172,13 @@ def covers(chosen: list[Cell], strength: int = 2) -> bool:
 # Weight updates (final minus initial weights) may differ from one device's by this much,
 # relative to the update's norm: float rounding of the compute dtype (a sum split over
 # replicas rounds differently), and float16 on the wire (about 3 decimal digits).
-TOLERANCE = {"float32": 1e-4, "float64_layer": 1e-4, "mixed_float16": 5e-3, "mixed_bfloat16": 3e-2}
+# bfloat16 keeps 8 significant bits, and where the CPU has native bfloat16 kernels
+# (avx512_bf16, as GPUs) every op rounds to it: Adam's update of an element whose gradient
+# nearly cancels then flips sign. Measured on one cell (hvd_fit/adam/mixed_bfloat16/0/none/
+# uneven_worker/dense): 0.0013 on a CPU without avx512_bf16, 0.047 on an EPYC with it. So the
+# bfloat16 cells check the wiring (casts, one step, no loss scale) coarsely; how uneven and
+# partial batches are weighed is checked to 1e-4 by the float32 cells of the same dimensions.
+TOLERANCE = {"float32": 1e-4, "float64_layer": 1e-4, "mixed_float16": 5e-3, "mixed_bfloat16": 1e-1}
 FP16_WIRE_TOLERANCE = 5e-3
 
 

@@ -28,12 +28,22 @@ from tests.equivalence.matrix import Cell
 out_dir, cells_file, cell_timeout = pathlib.Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 cells = [Cell.parse(line) for line in pathlib.Path(cells_file).read_text().split()]
 if any(cell.multi_worker for cell in cells):
+    import tensorflow as tf
+
     import tfdist.horovod as hvd
 
     hvd.init()
     rank, strategy = hvd.rank(), None
+
+    def wait_for_every_rank() -> None:
+        """Every rank has recorded the cell before: a rank that fails the next cell at once (an error by
+        design) must not end the job while rank 0 still trains the last one's reference."""
+        hvd.allreduce(tf.constant(0.0), name="equivalence_barrier")
 else:
     rank, strategy = 0, tfdist.get_strategy()
+
+    def wait_for_every_rank() -> None:
+        """One process: nothing to wait for."""
 log = open(out_dir / f"worker{rank}.jsonl", "a")
 
 
@@ -48,7 +58,9 @@ def give_up(cell: Cell) -> None:
     os._exit(3)
 
 
-for cell in cells:
+for index, cell in enumerate(cells):
+    if index:
+        wait_for_every_rank()
     watchdog = threading.Timer(cell_timeout, give_up, args=(cell,))
     watchdog.daemon = True
     watchdog.start()
