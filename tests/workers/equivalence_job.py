@@ -6,8 +6,10 @@ CELLS_FILE lists cell names (tests/equivalence/matrix.py), one a line. For each 
 worker appends ``{"cell", "status", ...}`` to OUT_DIR/worker<rank>.jsonl: ``ok`` with the
 measurements of ``tests.equivalence.cells.run``, or ``error`` with the exception. A cell
 still running after CELL_TIMEOUT seconds is recorded as ``hang`` and the process exits 3; after
-an error it exits 4 (TensorFlow aborts every later collective of a process in which one failed).
-``tfdist run`` then stops the other worker, and the driver starts a new job after that cell.
+an error it exits 4 (TensorFlow aborts every later collective of a process in which one failed),
+once every rank has recorded that cell (or ERROR_WAIT seconds passed). ``tfdist run`` then
+stops the other worker, and the driver starts a new job after that cell. Before each cell
+every rank waits for the others (one all-reduce), so no rank runs ahead into the next one.
 Multi-worker cells (tfdist.horovod modes) need the 2-worker job; the others run in one
 process over TFDIST_CPU_DEVICES=2 logical CPUs.
 """
@@ -33,23 +35,42 @@ if any(cell.multi_worker for cell in cells):
     import tfdist.horovod as hvd
 
     hvd.init()
-    rank, strategy = hvd.rank(), None
+    rank, ranks, strategy = hvd.rank(), hvd.size(), None
 
     def wait_for_every_rank() -> None:
         """Every rank has recorded the cell before: a rank that fails the next cell at once (an error by
         design) must not end the job while rank 0 still trains the last one's reference."""
         hvd.allreduce(tf.constant(0.0), name="equivalence_barrier")
 else:
-    rank, strategy = 0, tfdist.get_strategy()
+    rank, ranks, strategy = 0, 1, tfdist.get_strategy()
 
     def wait_for_every_rank() -> None:
         """One process: nothing to wait for."""
 log = open(out_dir / f"worker{rank}.jsonl", "a")
+ERROR_WAIT = 30.0  # seconds a rank that failed a cell waits for the others' records of it
 
 
 def write(record: dict) -> None:
     log.write(json.dumps(record) + "\n")
     log.flush()
+
+
+def records_of(cell: Cell) -> list[int]:
+    """How many records of ``cell`` each rank's file holds (a cell run again appends another)."""
+    counts = []
+    for other in range(ranks):
+        path = out_dir / f"worker{other}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        counts.append(sum(json.loads(line)["cell"] == cell.name for line in lines))
+    return counts
+
+
+def wait_for_records(cell: Cell, before: list[int]) -> None:
+    """After an error, before this process ends the job: every rank records ``cell`` (rank 0 may still be
+    training the one-device reference), or ERROR_WAIT seconds pass (a rank waiting in a collective never will)."""
+    deadline = time.monotonic() + min(cell_timeout, ERROR_WAIT)
+    while time.monotonic() < deadline and any(now <= then for now, then in zip(records_of(cell), before)):
+        time.sleep(0.2)
 
 
 def give_up(cell: Cell) -> None:
@@ -61,6 +82,7 @@ def give_up(cell: Cell) -> None:
 for index, cell in enumerate(cells):
     if index:
         wait_for_every_rank()
+    before = records_of(cell)
     watchdog = threading.Timer(cell_timeout, give_up, args=(cell,))
     watchdog.daemon = True
     watchdog.start()
@@ -73,4 +95,5 @@ for index, cell in enumerate(cells):
     watchdog.cancel()
     write({"cell": cell.name, "seconds": round(time.monotonic() - started, 2), **record})
     if record["status"] == "error":
+        wait_for_records(cell, before)
         os._exit(4)  # a failed collective aborts every later one in this process: the driver starts a new one
