@@ -36,16 +36,8 @@ if any(cell.multi_worker for cell in cells):
 
     hvd.init()
     rank, ranks, strategy = hvd.rank(), hvd.size(), None
-
-    def wait_for_every_rank() -> None:
-        """Every rank has recorded the cell before: a rank that fails the next cell at once (an error by
-        design) must not end the job while rank 0 still trains the last one's reference."""
-        hvd.allreduce(tf.constant(0.0), name="equivalence_barrier")
 else:
     rank, ranks, strategy = 0, 1, tfdist.get_strategy()
-
-    def wait_for_every_rank() -> None:
-        """One process: nothing to wait for."""
 log = open(out_dir / f"worker{rank}.jsonl", "a")
 ERROR_WAIT = 30.0  # seconds a rank that failed a cell waits for the others' records of it
 
@@ -53,6 +45,13 @@ ERROR_WAIT = 30.0  # seconds a rank that failed a cell waits for the others' rec
 def write(record: dict) -> None:
     log.write(json.dumps(record) + "\n")
     log.flush()
+
+
+def wait_for_every_rank() -> None:
+    """Every rank has recorded the cell before: a rank that fails the next cell at once (an error by design)
+    must not end the job while rank 0 still trains the last one's reference."""
+    if ranks > 1:
+        hvd.allreduce(tf.constant(0.0), name="equivalence_barrier")
 
 
 def records_of(cell: Cell) -> list[int]:
