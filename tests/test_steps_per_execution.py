@@ -106,3 +106,19 @@ def test_auto_picks_k_unless_a_callback_needs_every_batch(fresh_tfdist_strategy)
     assert fit_steps(compiled(tf.distribute.get_strategy())) == 1  # plain Keras keeps Keras' default
     assert model.steps_per_execution == 1  # K is fit's only: predict(steps=2) gives 2 batches
     assert model.predict(np.zeros((40, 6), "float32"), batch_size=4, steps=2, verbose=0).shape == (8, 1)
+
+
+def test_auto_trains_the_steps_asked_for_when_k_changes_between_fits(fresh_tfdist_strategy):
+    """K=16, then a per-batch callback (K=1), then fewer steps than K: every fit trains exactly its steps."""
+    import tfdist
+
+    with tfdist.scope(devices="CPU:[0-1]") as strategy:
+        model = compiled(strategy)
+    seen = []
+    every_batch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+    x = np.zeros((40 * 4, 6), "float32")
+    for callbacks, steps in (([], 40), ([every_batch], 30), ([], 5), ([every_batch], 7), ([], 40), ([], 40)):
+        before, seen[:] = int(model.optimizer.iterations.numpy()), []
+        model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, steps_per_epoch=steps, callbacks=callbacks)
+        assert int(model.optimizer.iterations.numpy()) - before == steps, (callbacks, steps)
+        assert seen == (list(range(steps)) if callbacks else [])

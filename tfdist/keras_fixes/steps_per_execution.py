@@ -155,11 +155,15 @@ def _fit_with_auto_steps(original, self, *args, **kwargs):
     arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
     steps = auto_steps(arguments.get("callbacks"),
                        *(arguments.get(name) for name in ("steps_per_epoch", "validation_steps")))
+    if getattr(self, "_tfdist_traced_steps", 1) != steps:
+        # Retrace for the new K (kept across fits with the same K). K=1 too: a function traced for K runs K
+        # steps a call whatever steps_per_execution says, so a fit with a per-batch callback after one without
+        # would train K times the steps asked for.
+        self.train_function = None
+    self._tfdist_traced_steps = steps
     if steps == 1:
         return original(self, *args, **kwargs)
-    if getattr(self, "_tfdist_traced_steps", None) != steps:
-        self.train_function = None  # retrace for the new K; kept across fits with the same K
-    self._tfdist_traced_steps = self.steps_per_execution = steps
+    self.steps_per_execution = steps
     self.test_function = None  # validation runs at K too
     try:
         return original(self, *args, **kwargs)
