@@ -174,29 +174,35 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_job(setup: str, hosts, args: argparse.Namespace, trace: bool, port: int) -> dict:
     """One ``tfdist run`` job of ``setup``; returns the chief's result."""
-    workers = setups()[setup].workers
+    job = [str(pathlib.Path(__file__).resolve()), "--job", setup, "--steps", str(args.steps),
+           *(["--trace"] if trace else [])]
+    return launch(job, setups()[setup].workers, hosts, args.link, port)
+
+
+def launch(job: list[str], workers: int, hosts, link: str, port: int, timeout: int = 300) -> dict:
+    """Runs ``python <job> --out DIR`` as one ``tfdist run`` job of ``workers`` (one per namespace over veth, or
+    both in the first over loopback), stopped after ``timeout`` s; returns the result.json its chief wrote in DIR."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_TOKEN": "benchmark"}
     with tempfile.TemporaryDirectory() as out:
-        job = [sys.executable, str(pathlib.Path(__file__).resolve()), "--job", setup, "--out", out,
-               "--steps", str(args.steps), *(["--trace"] if trace else [])]
-        if workers == 1 or args.link == "loopback":
-            commands = [hosts[0].command([sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", "300",
-                                          "--", *job])]
+        job = [sys.executable, *job, "--out", out]
+        if workers == 1 or link == "loopback":
+            commands = [hosts[0].command([sys.executable, "-m", "tfdist.run", "-n", str(workers),
+                                          "--timeout", str(timeout), "--", *job])]
         else:
             master = f"{hosts[0].address}:{port}"
             commands = [host.command([sys.executable, "-m", "tfdist.run", "--nnodes", "2", "--node-rank", str(rank),
-                                      "--master", master, "-n", "1", "--timeout", "300", "--", *job])
+                                      "--master", master, "-n", "1", "--timeout", str(timeout), "--", *job])
                         for rank, host in enumerate(hosts)]
         launchers = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                      for c in commands]
         try:
-            outputs = [launcher.communicate(timeout=400)[0] for launcher in launchers]
+            outputs = [launcher.communicate(timeout=timeout + 100)[0] for launcher in launchers]
         finally:
             for launcher in launchers:
                 launcher.kill()
         result = pathlib.Path(out, "result.json")
         if not result.exists():
-            raise RuntimeError(f"job {setup!r} gave no result:\n" + "\n".join(o[-3000:] for o in outputs))
+            raise RuntimeError(f"job {job[1:]} gave no result:\n" + "\n".join(o[-3000:] for o in outputs))
         return json.loads(result.read_text())
 
 
