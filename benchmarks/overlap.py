@@ -215,6 +215,13 @@ def shape(hosts, rate: str) -> None:
                                          "burst", "256kb", "latency", "20ms"]), check=True)
 
 
+def link_label(link: str, rate: str) -> str:
+    """The network in words, for a report's first line."""
+    if link == "loopback":
+        return "loopback (127.0.0.1, one namespace)"
+    return f"veth between 2 namespaces, {'unshaped' if rate == 'none' else 'tbf ' + rate + ' both ends'}"
+
+
 def rate_bits(rate: str) -> float | None:
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
     for unit, scale in units.items():
@@ -224,8 +231,7 @@ def rate_bits(rate: str) -> float | None:
 
 
 def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> None:
-    link = "loopback (127.0.0.1, one namespace)" if args.link == "loopback" else (
-        f"veth between 2 namespaces, {'unshaped' if args.rate == 'none' else 'tbf ' + args.rate + ' both ends'}")
+    link = link_label(args.link, args.rate)
     print(f"\n{link}; {args.steps} timed steps; images/s of the whole job (ratio to '1 worker' of the same round)")
     print(f"{'setup':<24}{'ratio median':>13}{'cpu/step':>10}{'ceiling':>9}{'of ceiling':>11}   every round")
     for setup in setups:

@@ -179,8 +179,7 @@ def main() -> None:
     if reason:
         sys.exit(f"side_by_side.py needs network namespaces: {reason}")
     job = [str(pathlib.Path(__file__).resolve()), "--job", "--rounds", str(args.rounds), "--window", str(args.window)]
-    link = "loopback (127.0.0.1, one namespace)" if args.link == "loopback" else (
-        f"veth between 2 namespaces, {'unshaped' if args.rate == 'none' else 'tbf ' + args.rate + ' both ends'}")
+    link = overlap.link_label(args.link, args.rate)
     print(f"{link}; {args.window} steps a window; 2 workers, one core each", flush=True)
     results, one_worker = [], []
     with netns.hosts(prefix="tfsb") as hosts:
