@@ -100,14 +100,22 @@ def build_model():
 def default_setups() -> list[str]:
     """1 worker, the defaults, the fixed float32 settings that bucket this CNN's gradients differently, one pack
     with 1 inter-op thread."""
+    return ["1 worker", "defaults", *distinct_fixed(fp16=False), "one-pack 1 thread"]
+
+
+def distinct_fixed(fp16: bool) -> dict[str, tuple[int, int]]:
+    """The fixed setups (name -> (bucket_bytes, first)) that bucket this CNN's gradients differently, float32 or
+    float16 on the wire; the first name of each plan."""
     from tfdist import buckets
 
-    sizes = [int(v.shape.num_elements()) * 4 for v in build_model().trainable_variables]
+    sizes = [int(v.shape.num_elements()) * (2 if fp16 else 4) for v in build_model().trainable_variables]
     plans = {}
     for name, setup in setups().items():
-        if name.startswith("fixed") and not setup.fp16 and setup.passes == 1:
-            plans.setdefault(repr(buckets.plan(sizes, *setup.buckets)), name)
-    return ["1 worker", "defaults", *plans.values(), "one-pack 1 thread"]
+        if name.startswith("fixed") and setup.fp16 == fp16 and setup.passes == 1:
+            plans.setdefault(repr(buckets.plan(sizes, *setup.buckets)), (name, setup.buckets))
+    return dict(plans.values())
+
+
 TRACE_STEPS = 16
 
 

@@ -46,19 +46,6 @@ WARMUP_DEFAULTS = 160  # autotune's candidates settle within these (overlap.WARM
 WARMUP_FIXED = 32      # tracing, then steady steps
 
 
-def fixed_settings(fp16: bool) -> dict[str, tuple[int, int]]:
-    """Every GRID entry giving a distinct bucket plan for the CNN's gradients (float32 or float16 on the wire)."""
-    from tfdist import autotune, buckets
-
-    sizes = [int(v.shape.num_elements()) * (2 if fp16 else 4) for v in overlap.build_model().trainable_variables]
-    found, short = {}, overlap._short
-    for bucket_bytes, first in autotune.GRID:
-        name = "fixed one-pack" if bucket_bytes == 0 else f"fixed {short(bucket_bytes)}/{short(first)}"
-        found.setdefault(repr(buckets.plan(sizes, bucket_bytes, first)), (name + (" fp16" if fp16 else ""),
-                                                                            (bucket_bytes, first)))
-    return dict(found.values())
-
-
 def worker(args: argparse.Namespace) -> None:
     """One worker: build every setup's model, warm each up, time windows in turn; the chief writes result.json."""
     rank = int(os.environ["TFDIST_WORKER_INDEX"])
@@ -110,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
         choice = autotune.last_choice()
         chosen[name] = {"setting": str(choice.setting), "step_ms": choice.step_ms} if choice else None
     for fp16 in (False, True) if workers > 1 else ():
-        for name, setting in fixed_settings(fp16).items():
+        for name, setting in overlap.distinct_fixed(fp16).items():
             tfdist.set_bucket_bytes(*setting)
             models[name] = model(fp16)
             models[name].fit(data, epochs=1, steps_per_epoch=WARMUP_FIXED, verbose=0)
@@ -170,6 +157,9 @@ def main() -> None:
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for flag in ("jobs", "rounds", "window"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1; received {getattr(args, flag)}.")
     if args.job:
         worker(args)
         return
