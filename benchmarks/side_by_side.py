@@ -14,15 +14,21 @@ than the 3% that "defaults >= 0.97 of the best fixed setting" asks to resolve. H
   function traces (so autotune keeps off it); every entry that buckets this CNN's gradients
   differently, in float32 and with ``Compression.fp16``.
 
-Then it times ``--window`` steps of each model in turn (one ``fit`` call each, from its epoch's
-start to its end: not ``fit``'s setup, which weighs the same in every setup), in alternating
-order every round, on the same processes and connections. Before each 2-worker job, a
-1-worker job (first namespace) times one model the same way: the baseline.
+Then it times ``--window`` steps of each model in turn, in alternating order every round, on the
+same processes and connections: one ``fit`` call of 2 epochs of ``--window`` steps each, timed
+from the second epoch's start to its end. Not ``fit``'s setup, nor the first epoch, whose start
+makes the dataset iterator: under MultiWorkerMirroredStrategy a ``MultiDeviceIterator``, about
+60 ms a call on this machine, which a 1-worker job does not pay; over a 64-step window that is
+about 1 ms of each 2-worker step. The steady step is what the goals compare. Before each 2-worker
+job, a 1-worker job (first namespace) times one model the same way: the baseline.
 
 Prints, per job and precision: every round's ms per step of every setup; defaults / best
 fixed, as the ratio of the medians and the median of each round's ratio (images/s, so best
 ms / defaults ms); defaults against one worker (2 x its step / the defaults' step) and the CPU
-ceiling (2 x the 1-worker step / worker 0's CPU per step), as overlap.py does. Then the same
+ceiling (2 x the 1-worker step / worker 0's CPU per step), as overlap.py does; and where that
+CPU goes: the defaults' (and the 1-worker job's) CPU ms per step by thread name, from
+/proc/self/task (``tf_Compute``: TensorFlow's inter-op threads, which run the kernels;
+``event_engine``, ``collective_ops``: gRPC and the collectives; ``main``: Python). Then the same
 for every job's rounds together: the figures to quote (more rounds, so less noisy).
 """
 
@@ -34,6 +40,7 @@ import os
 import pathlib
 import statistics
 import sys
+import threading
 import time
 
 if __package__ in (None, ""):
@@ -44,6 +51,27 @@ from benchmarks import overlap  # noqa: E402
 PORT = 29900
 WARMUP_DEFAULTS = 160  # autotune's candidates settle within these (overlap.WARMUP_STEPS)
 WARMUP_FIXED = 32      # tracing, then steady steps
+
+
+def thread_ticks() -> dict[int, tuple[str, int]]:
+    """Each thread of this process: its name (``main`` for the main thread) and the CPU clock ticks it used."""
+    main, ticks = threading.main_thread().native_id, {}
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            name = "main" if int(task.name) == main else (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        ticks[int(task.name)] = (name, int(fields[11]) + int(fields[12]))  # utime + stime
+    return ticks
+
+
+def cpu_by_thread(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]], steps: int) -> dict:
+    """CPU ms per step between two ``thread_ticks``, summed by thread name."""
+    per_tick, by_name = 1000 / os.sysconf("SC_CLK_TCK"), {}
+    for tid, (name, ticks) in after.items():
+        by_name[name] = by_name.get(name, 0) + (ticks - before.get(tid, (name, 0))[1]) * per_tick / steps
+    return by_name
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -58,14 +86,16 @@ def worker(args: argparse.Namespace) -> None:
     from tfdist import autotune
 
     class StepClock(keras.callbacks.Callback):
-        """ms per step of a ``fit`` call's epoch (not its setup or teardown, which weigh the same in every setup
-        and so would blur their differences). No batch hooks: fit keeps tfdist's 16 steps per call."""
+        """ms per step of a ``fit`` call's last epoch (not its setup, nor the first epoch, which makes the
+        dataset iterator). No batch hooks: fit keeps tfdist's 16 steps per call."""
 
         def on_epoch_begin(self, epoch, logs=None):
+            self.threads = thread_ticks()
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_epoch_end(self, epoch, logs=None):
             self.seconds, self.cpu = time.perf_counter() - self.start, time.process_time() - self.cpu_start
+            self.by_thread = cpu_by_thread(self.threads, thread_ticks(), args.window)
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     strategy = tfdist.get_strategy()
@@ -103,16 +133,26 @@ def worker(args: argparse.Namespace) -> None:
             models[name].fit(data, epochs=1, steps_per_epoch=WARMUP_FIXED, verbose=0)
     names = list(models)
     clock = StepClock()
-    rounds, cpu = [], []
+    rounds, cpu, threads = [], [], []
     for number in range(args.rounds):
-        times, cpu_times = {}, {}
+        times, cpu_times, thread_times = {}, {}, {}
         for name in (names if number % 2 == 0 else names[::-1]):
-            models[name].fit(data, epochs=1, steps_per_epoch=args.window, verbose=0, callbacks=[clock])
+            models[name].fit(data, epochs=2, steps_per_epoch=args.window, verbose=0, callbacks=[clock])
             times[name], cpu_times[name] = 1000 * clock.seconds / args.window, 1000 * clock.cpu / args.window
+            thread_times[name] = clock.by_thread
         rounds.append(times)
         cpu.append(cpu_times)
+        threads.append(thread_times)
     if rank == 0:
-        pathlib.Path(args.out, "result.json").write_text(json.dumps({"rounds": rounds, "cpu": cpu, "autotune": chosen}))
+        pathlib.Path(args.out, "result.json").write_text(
+            json.dumps({"rounds": rounds, "cpu": cpu, "threads": threads, "autotune": chosen}))
+
+
+def by_thread(result: dict, setup: str) -> str:
+    """``setup``'s CPU ms per step by thread name, the median over the rounds, largest first."""
+    rounds = [r[setup] for r in result["threads"]]
+    medians = {name: statistics.median(r.get(name, 0.0) for r in rounds) for name in set().union(*rounds)}
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(medians.items(), key=lambda kv: -kv[1]) if ms >= 0.05)
 
 
 def report(title: str, result: dict, one_worker_ms: float) -> None:
@@ -140,6 +180,7 @@ def report(title: str, result: dict, one_worker_ms: float) -> None:
               + ", ".join(f"{v:.2f}" for v in paired))
         print(f"  {label}: defaults {speedup:.2f}x one worker; CPU ceiling 2 x (1-worker step) / (CPU per step) "
               f"{ceiling:.2f}x, defaults at {speedup / ceiling:.2f} of it")
+        print(f"  {label}: defaults' CPU ms per step by thread, worker 0: {by_thread(result, defaults)}")
         if isinstance(choice, str):  # every job's choice
             print(f"  {label}: autotune chose, job by job: {choice}")
         else:
@@ -178,11 +219,14 @@ def main() -> None:
         for number in range(args.jobs):
             one = overlap.launch(job, 1, hosts, args.link, PORT, timeout=1200)
             one_worker.append(statistics.median(r["1 worker"] for r in one["rounds"]))
+            print(f"\n1 worker, job {number + 1}: {one_worker[-1]:.2f} ms per step; CPU ms per step by thread: "
+                  f"{by_thread(one, '1 worker')}")
             results.append(overlap.launch(job, 2, hosts, args.link, PORT + 1 + number, timeout=1200))
             report(f"job {number + 1}", results[-1], one_worker[-1])
             sys.stdout.flush()
     pooled = {"rounds": [r for result in results for r in result["rounds"]],
               "cpu": [c for result in results for c in result["cpu"]],
+              "threads": [t for result in results for t in result["threads"]],
               "autotune": {name: "; ".join(str(result["autotune"][name] and result["autotune"][name]["setting"])
                                            for result in results) for name in ("defaults", "defaults fp16")}}
     report(f"every job's rounds together ({args.jobs} jobs)", pooled, statistics.median(one_worker))
