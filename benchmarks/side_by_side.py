@@ -28,7 +28,8 @@ ms / defaults ms); defaults against one worker (2 x its step / the defaults' ste
 ceiling (2 x the 1-worker step / worker 0's CPU per step), as overlap.py does; and where that
 CPU goes: the defaults' (and the 1-worker job's) CPU ms per step by thread name, from
 /proc/self/task (``tf_Compute``: TensorFlow's inter-op threads, which run the kernels;
-``event_engine``, ``collective_ops``: gRPC and the collectives; ``main``: Python). Then the same
+``event_engine``, ``collective_ops``: gRPC and the collectives; ``python``: unnamed native
+threads, such as gRPC's callback pool; ``main``: Python). Then the same
 for every job's rounds together: the figures to quote (more rounds, so less noisy).
 """
 
