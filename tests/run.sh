@@ -10,6 +10,9 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"
 trap 'rm -rf "$STAGE"' EXIT
 
+# The wheel builder first: a fresh `pip install .` does not bring it (it is in the [test] extras,
+# which are installed from the wheel it builds).
+python -m pip install --quiet build
 python -m build --sdist --wheel --outdir "$STAGE/dist" "$ROOT" >"$STAGE/build.log" 2>&1 \
   || { cat "$STAGE/build.log"; echo "tests/run.sh: building the sdist and wheel failed (log above)" >&2; exit 1; }
 WHEEL="$(ls "$STAGE"/dist/tfdist-*.whl)"
