@@ -63,6 +63,11 @@ EXIT_PREEMPTED = 85
 # The signals that make a worker stop at an agreed step and exit EXIT_PREEMPTED, comma-separated
 # (default SIGTERM,SIGUSR1: Kubernetes, SLURM's scancel and --signal=USR1@T); "" turns it off.
 ENV_STOP_SIGNALS = "TFDIST_STOP_SIGNALS"
+# Seconds a worker has between a stop signal and SIGKILL (``tfdist run --grace-period``; launchers set it in
+# every worker): every wait of an agreed stop ends inside it, and a signal no stop honours takes its default
+# action when it runs out.
+ENV_GRACE_PERIOD = "TFDIST_GRACE_PERIOD"
+DEFAULT_GRACE_SECONDS = 25.0  # inside Kubernetes' default 30 s between SIGTERM and SIGKILL
 DEFAULT_SLURM_PORT = 23456
 
 _TASK_TYPES = ("chief", "worker")
