@@ -89,7 +89,7 @@ API_CASES = [
         10, tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)),
      data.DataError, "The global batch_size=10 does not divide by the 4 replicas in sync"),
     ("writer shards", lambda tmp: data.write_tfrecords({"x": [1, 2]}, str(tmp), num_shards=0), data.DataError,
-     "num_shards must be a positive int: received num_shards=0"),
+     "num_shards must be an int from 1 to 99999 (shard names hold 5 digits): received num_shards=0"),
     ("convert source", lambda tmp: convert.convert("tf_flowers", "train", str(tmp), source="web"),
      convert.ConvertError, "Unknown source='web'; choose one of"),
     ("precision name", lambda: precision.set_policy("fp8"), precision.PrecisionError,

@@ -1,9 +1,13 @@
 """tfdist.data writing and reading: round trips, shard files, and a clear error for each bad input."""
 
+import collections
+import json
 import os
 import pathlib
 import re
+import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -114,17 +118,22 @@ def test_a_crash_leaves_no_shard_under_a_final_name(tmp_path):
 
 def test_existing_shards_need_overwrite(tmp_path):
     data.write_tfrecords(source(), str(tmp_path), num_shards=3)
-    with pytest.raises(FileExistsError, match=r"already holds 3 shard\(s\) named data-\*-of-\*.tfrecord.*overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"already holds 3 shard\(s\) named data-NNNNN-of-NNNNN\.tfrecord, not a "
+                                              r"complete write of these examples with these settings; pass "
+                                              r"overwrite=True"):
         data.write_tfrecords(source(), str(tmp_path), num_shards=2)
     result = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
     assert sorted(str(p) for p in tmp_path.glob("*.tfrecord")) == sorted(result.paths)  # the 3 old shards are gone
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"num_shards": 0}, r"num_shards must be a positive int: received num_shards=0"),
+    ({"num_shards": 0}, r"num_shards must be an int from 1 to 99999 \(shard names hold 5 digits\): "
+                        r"received num_shards=0"),
+    ({"num_shards": 100000}, r"num_shards must be an int from 1 to 99999 .*: received num_shards=100000"),
     ({"num_shards": 2, "image_format": "gif"}, r"Unknown image_format='gif'; choose one of \['jpeg', 'png'\]"),
     ({"num_shards": 2, "jpeg_quality": 0}, r"jpeg_quality must be an int from 1 to 100: received jpeg_quality=0"),
     ({"num_shards": 2, "prefix": "a/b"}, r"prefix must be .* received prefix='a/b'"),
+    ({"num_shards": 2, "prefix": "a\\b"}, r"prefix must be .* glob characters .*: received prefix='a\\\\b'"),
 ])
 def test_bad_writer_arguments(tmp_path, kwargs, message):
     with pytest.raises(data.DataError, match=message):
@@ -200,9 +209,6 @@ def test_bad_reader_arguments(jpeg_shards, kwargs, message):
 
 def test_a_set_being_replaced_is_refused_until_complete(tmp_path, monkeypatch):
     """overwrite=True never exposes a half-replaced set: readers are refused until the last shard is in place."""
-    import json
-    import threading
-
     from tfdist.data import writer
 
     data.write_tfrecords({"label": np.arange(12)}, str(tmp_path), num_shards=4)
@@ -213,8 +219,8 @@ def test_a_set_being_replaced_is_refused_until_complete(tmp_path, monkeypatch):
         data.write_tfrecords({"label": np.arange(100, 112)}, str(tmp_path), num_shards=4, overwrite=True)))
     thread.start()
     assert moving.wait(60)
-    with pytest.raises(data.DataError, match=r"The shards data-\* in .* are being written or replaced by "
-                                             r"write_tfrecords now \(.*\.tmp-data-\w+ is there\).*delete"):
+    with pytest.raises(data.DataError, match=r"The shards data-NNNNN-of-NNNNN\.tfrecord in .* are being written or "
+                                             r"replaced by write_tfrecords now \(.*\.tmp-data-\w+ is there\).*delete"):
         data.tfrecord_dataset(str(tmp_path / "data-*.tfrecord"), batch_size=4)
     assert not (tmp_path / ".data.complete.json").exists()  # no completion marker while shards move
     go.set()
@@ -246,9 +252,6 @@ def test_the_same_examples_are_not_rewritten(tmp_path):
 
 def test_the_other_workers_wait_for_the_chiefs_write(tmp_path, monkeypatch, capfd):
     """Worker 1 (here a thread) calls write_tfrecords first: it returns only once the chief's shards are complete."""
-    import json
-    import threading
-
     from tfdist.data import writer
 
     waiting, finished = threading.Event(), writer._finished
@@ -267,5 +270,94 @@ def test_the_other_workers_wait_for_the_chiefs_write(tmp_path, monkeypatch, capf
     chief = data.write_tfrecords(source(), str(tmp_path), num_shards=2, overwrite=True)
     worker_1.join(60)
     assert results == [chief]
-    assert re.search(r"worker 1 has waited \d+ s for worker 0 to write these examples into .*every worker must see "
-                     r"that directory: a shared filesystem", capfd.readouterr().err)
+    assert re.search(r"worker 1 has waited \d+ s for worker 0's shards of these examples in .*: every worker must see "
+                     r"that directory \(a shared filesystem\), and read the same examples in the same order \(an "
+                     r"unseeded shuffle or tfds shuffle_files=True differs per process: seed it, or write on worker 0 "
+                     r"only\)", capfd.readouterr().err)
+
+
+@pytest.mark.parametrize("prefix,longer", [("mnist", "mnist-test"), ("a", "a-0"), ("a", "a-00001-of-00002")])
+def test_a_prefix_owns_exactly_its_shards(tmp_path, prefix, longer):
+    """A prefix that another prefix starts with: neither lists, overwrites, deletes nor reads the other's shards."""
+    other = data.write_tfrecords({"label": np.arange(100, 106)}, str(tmp_path), num_shards=2, prefix=longer)
+    mine = data.write_tfrecords({"label": np.arange(4)}, str(tmp_path), num_shards=2, prefix=prefix)
+    assert sorted(tf.io.gfile.glob(mine.pattern)) == list(mine.paths)
+    assert sorted(read_all(mine.pattern)["label"]) == [0, 1, 2, 3]
+    replaced = data.write_tfrecords({"label": np.arange(5)}, str(tmp_path), num_shards=3, prefix=prefix, overwrite=True)
+    assert sorted(read_all(replaced.pattern)["label"]) == [0, 1, 2, 3, 4]
+    assert sorted(read_all(other.pattern)["label"]) == list(range(100, 106))
+    assert sorted(os.listdir(tmp_path)) == sorted([f".{prefix}.complete.json", f".{longer}.complete.json"]
+                                                  + [os.path.basename(p) for p in replaced.paths + other.paths])
+
+
+def test_writing_a_prefix_never_blocks_reading_a_longer_one(tmp_path, monkeypatch):
+    """While "mnist" shards move into place, "mnist-test" shards stay readable."""
+    from tfdist.data import writer
+
+    test = data.write_tfrecords({"label": np.arange(4)}, str(tmp_path), num_shards=2, prefix="mnist-test")
+    moving, go = threading.Event(), threading.Event()
+    monkeypatch.setattr(writer, "_before_each_move", lambda: (moving.set(), go.wait(60)))
+    thread = threading.Thread(target=lambda: data.write_tfrecords({"label": np.arange(8)}, str(tmp_path), num_shards=2,
+                                                                  prefix="mnist", overwrite=True))
+    thread.start()
+    try:
+        assert moving.wait(60)
+        assert sorted(read_all(test.pattern)["label"]) == [0, 1, 2, 3]
+    finally:
+        go.set()
+        thread.join(60)
+
+
+def test_a_rerun_without_overwrite_returns_the_complete_set_or_refuses_other_examples(tmp_path):
+    first = data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2)
+    times = [os.stat(p).st_mtime_ns for p in first.paths]
+    assert data.write_tfrecords({"label": np.arange(6)}, str(tmp_path), num_shards=2) == first
+    assert [os.stat(p).st_mtime_ns for p in first.paths] == times  # not rewritten
+    with pytest.raises(FileExistsError, match=r"already holds 2 shard\(s\) named data-NNNNN-of-NNNNN\.tfrecord, not a "
+                                              r"complete write of these examples with these settings; pass "
+                                              r"overwrite=True"):
+        data.write_tfrecords({"label": np.arange(7)}, str(tmp_path), num_shards=2)
+
+
+@pytest.fixture
+def worker_1_after_the_chief(monkeypatch):
+    """A store shared in this process (tfdist.kvstore over a dict); calling the fixture's value turns this process
+    into worker 1 of 2 making its first write_tfrecords call, after the chief's calls made here."""
+    from tfdist.data import writer
+
+    values = {}
+    monkeypatch.setattr(writer, "kvstore", types.SimpleNamespace(
+        available=lambda: True, get=lambda key, timeout_ms=500: values.get(key), put=values.__setitem__))
+
+    def become_worker_1():
+        monkeypatch.setattr(writer, "_calls", collections.Counter())
+        monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                                    "task": {"type": "worker", "index": 1}}))
+    return become_worker_1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("labels,message", [
+    (np.arange(12)[::-1], r"worker 1 read the same 12 examples as worker 0 in another order: the source's order "
+                          r"differs between workers \(e\.g\. an unseeded shuffle or tfds shuffle_files=True\)\. Seed "
+                          r"it \(dataset\.shuffle\(n, seed=S\)"),
+    (np.arange(1, 14), r"worker 1 read other examples than worker 0 \(13 examples; worker 0 read 12\): the source's "
+                       r"content differs between workers.*write on worker 0 only"),
+])
+def test_a_worker_whose_examples_differ_from_the_chiefs_fails_naming_why(tmp_path, worker_1_after_the_chief, labels,
+                                                                        message):
+    """Worker 1 compares its examples with what the chief published, and fails at once instead of waiting."""
+    data.write_tfrecords({"label": np.arange(12)}, str(tmp_path), num_shards=2)
+    worker_1_after_the_chief()
+    with pytest.raises(data.DataError, match=message):
+        data.write_tfrecords({"label": labels.copy()}, str(tmp_path), num_shards=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_fails_when_the_chiefs_write_failed(tmp_path, worker_1_after_the_chief):
+    with pytest.raises(data.DataError, match="holds no example"):
+        data.write_tfrecords({"label": np.arange(0)}, str(tmp_path), num_shards=2)
+    worker_1_after_the_chief()
+    with pytest.raises(data.DataError, match=r"^Worker 0 could not write these examples \(DataError: The source holds "
+                                             r"no example: nothing to write\.\); its output says why\.$"):
+        data.write_tfrecords({"label": np.arange(3)}, str(tmp_path), num_shards=2)

@@ -1,10 +1,12 @@
 """A real 2-worker `tfdist run` job reads TFRecord shards through tfdist.data and trains.
 
 It also runs issue 29's scripts for real: a global seed per worker, one cache path for every worker, and
-write_tfrecords(overwrite=True) on every worker then reading (3 rounds, the chief's moves slowed down).
+write_tfrecords(overwrite=True) on every worker then reading (3 rounds, the chief's moves slowed down). A second
+job (issue 40) reruns one write_tfrecords call on every worker and writes an unseeded shuffle.
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -89,3 +91,38 @@ def test_training_on_shards_lowers_the_loss_with_identical_weights(job):
     assert losses[0] > losses[1] > losses[2], losses
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def writer_job(tmp_path_factory):
+    """Fails by design: its last step stops worker 1 (tests/workers/writer_job.py)."""
+    return run_job("writer_job.py", tmp_path_factory.mktemp("writer_job"), str(tmp_path_factory.mktemp("writer_work")),
+                   timeout=90)
+
+
+def test_a_rerun_of_the_same_call_returns_the_same_complete_set_on_every_worker(writer_job):
+    first = writer_job.results[0]["first"]
+    assert first[1] == 10 and len(first[0]) == 2
+    for rank in (0, 1):
+        assert writer_job.results[rank]["first"] == writer_job.results[rank]["again"] == first
+    assert not writer_job.results[0]["rewritten"]
+
+
+def test_a_rerun_with_other_examples_raises_the_same_file_exists_error_on_every_worker(writer_job):
+    messages = [writer_job.results[rank]["other_examples"] for rank in (0, 1)]
+    assert messages[0] == messages[1]
+    assert re.fullmatch(r"\S+/rerun already holds 2 shard\(s\) named data-NNNNN-of-NNNNN\.tfrecord, not a complete "
+                        r"write of these examples with these settings; pass overwrite=True to replace them, or choose "
+                        r"another prefix or out_dir\.", messages[0])
+    assert max(writer_job.results[rank]["other_examples_s"] for rank in (0, 1)) < 30
+
+
+def test_an_unseeded_shuffle_stops_the_job_naming_the_order_instead_of_waiting(writer_job):
+    assert writer_job.returncode != 0
+    assert re.search(r"\[1\] tfdist\.errors\.DataError: write_tfrecords: worker 1 read the same 64 examples as "
+                     r"worker 0 in another order: the source's order differs between workers \(e\.g\. an unseeded "
+                     r"shuffle or tfds shuffle_files=True\)\. Seed it", writer_job.output)
+    assert "worker 0 wrote the shuffled examples" in writer_job.output
+    assert "worker 1 wrote the shuffled examples" not in writer_job.output
+    seconds = float(re.search(r"2 worker\(s\), exit codes \[.*\], ([\d.]+)s", writer_job.output).group(1))
+    assert seconds < 60, writer_job.output[-3000:]  # the job's timeout is 90 s: a worker that waited would reach it

@@ -25,6 +25,7 @@ another worker count or other files is never read.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -252,11 +253,11 @@ def _refuse_shards_being_written(paths: list[str]) -> None:
         names = [os.path.basename(path) for path in paths if os.path.dirname(path) == directory]
         for temp in tf.io.gfile.glob(os.path.join(directory, ".tmp-*")):
             prefix = os.path.basename(temp.rstrip("/"))[len(".tmp-"):].rsplit("-", 1)[0]
-            if any(name.startswith(f"{prefix}-") for name in names):
-                raise DataError(f"The shards {prefix}-* in {directory} are being written or replaced by write_tfrecords "
-                                f"now ({temp} is there): read them after it returns. In a multi-worker job call "
-                                "write_tfrecords on every worker: the others wait for the chief's write. If no write "
-                                f"is running (one was killed), delete {temp}.")
+            if any(fnmatch.fnmatchcase(name, records.shard_glob(prefix)) for name in names):
+                raise DataError(f"The shards {records.shown_shard_names(prefix)} in {directory} are being written or "
+                                f"replaced by write_tfrecords now ({temp} is there): read them after it returns. In a "
+                                "multi-worker job call write_tfrecords on every worker: the others wait for the chief's "
+                                f"write. If no write is running (one was killed), delete {temp}.")
 
 
 def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], list[int]]:

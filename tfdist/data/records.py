@@ -6,6 +6,9 @@ bytes (scalars and 1-D arrays), plus ``INDEX_KEY``, the example's position in it
 source. ``infer_features`` reads that layout back from one record, so readers need
 no schema file.
 
+Shards are named ``PREFIX-00000-of-00016.tfrecord``; ``shard_glob`` matches exactly one
+prefix's shards, never those of a prefix that starts with it (``mnist`` and ``mnist-test``).
+
 ``check_file`` walks a file's record headers (lengths and their CRC32C checksums)
 without reading the payloads: it tells a non-TFRecord file or a truncated one
 apart from a good one, with the file's name, before TensorFlow's reader fails
@@ -24,9 +27,31 @@ from tfdist.errors import DataError
 
 INDEX_KEY = "index"
 IMAGE_FORMATS = ("jpeg", "png")
+MAX_SHARDS = 99_999  # shard names hold 5 digits
+_DIGIT = "[0-9]"
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n")
 _HEADER = struct.Struct("<QI")  # record length, masked CRC32C of the length
 _FOOTER_BYTES = 4  # masked CRC32C of the payload
+
+
+def shard_name(prefix: str, index: int, num_shards: int) -> str:
+    """``prefix-00000-of-00016.tfrecord``."""
+    return f"{prefix}-{index:05d}-of-{num_shards:05d}.tfrecord"
+
+
+def shard_glob(prefix: str, num_shards: int | None = None) -> str:
+    """The glob of ``prefix``'s shards (of ``num_shards`` files, or of any count), for ``tf.io.gfile.glob``.
+
+    Five digit classes and a fixed ``-of-`` never match a ``-``, so the names of another prefix
+    (``prefix-test-00000-of-00002.tfrecord``) never match. ``prefix`` holds no glob character.
+    """
+    count = _DIGIT * 5 if num_shards is None else f"{num_shards:05d}"
+    return f"{prefix}-{_DIGIT * 5}-of-{count}.tfrecord"
+
+
+def shown_shard_names(prefix: str) -> str:
+    """How messages name ``prefix``'s shards: ``prefix-NNNNN-of-NNNNN.tfrecord``."""
+    return f"{prefix}-NNNNN-of-NNNNN.tfrecord"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,24 +1,36 @@
 """Writing examples into TFRecord shards: ``write_tfrecords``.
 
 Examples go to shards round-robin (example i to shard i % num_shards), so shards
-differ in size by at most one record. Every shard is written under a temporary
-directory inside ``out_dir`` (``.tmp-PREFIX-*``) and moved to its final name only once
-all shards are complete: a crash never leaves a half-written shard under a final name.
-Each move replaces the old shard of that name in one step; old shards of another count
-go last, then ``.PREFIX.complete.json`` (the completion marker: a hash of the examples
-and settings, and each shard's size) is written and the temporary directory removed.
-``tfrecord_dataset`` refuses shards whose temporary directory is still there, so it
-never reads a set being replaced.
+differ in size by at most one record. A prefix owns exactly its shards,
+``PREFIX-00000-of-00016.tfrecord`` (``records.shard_glob``): the shards of ``mnist-test``
+are never listed, replaced, deleted or matched by ``WriteResult.pattern`` for ``mnist``.
+Every shard is written under a temporary directory inside ``out_dir``
+(``.tmp-PREFIX-<8 hex>``) and moved to its final name only once all shards are complete:
+a crash never leaves a half-written shard under a final name. Each move replaces the old
+shard of that name in one step; old shards of another count go last, then
+``.PREFIX.complete.json`` (the completion marker: a hash of the examples and settings,
+and each shard's size) is written and the temporary directory removed.
+``tfrecord_dataset`` refuses shards whose temporary directory is still there, so it never
+reads a set being replaced. When the marker already matches, nothing is rewritten, with
+or without ``overwrite``.
 
 In a multi-worker job the script runs on every worker, so every worker may call
-``write_tfrecords``: the chief writes, the others hash the same examples and wait until
-the marker says the chief's shards of those examples are complete. Nothing is
-exchanged between workers, so a script that calls it on the chief only works as well.
-When the marker already matches, nothing is rewritten.
+``write_tfrecords``: the chief decides and writes, the others hash the same examples and
+follow it. The chief publishes, in the coordination service's key-value store
+(``tfdist.kvstore``), the hash of its examples (in order, and in any order), then its
+outcome: the record count, or its error. The key holds the call's arguments and how many
+calls with the same ones this process made before, so no other call reads it. A worker
+whose hash differs raises at once, saying whether its examples or only their order differ
+(an unseeded shuffle); one whose chief raised (FileExistsError) raises the same; the
+others wait until they see the chief's shards, then return the same result. A process
+without a store (no multi-worker strategy) waits for the marker of its own examples
+instead. The chief never waits for the others, so a script that calls it on the chief
+only works as well.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -26,17 +38,23 @@ import os
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist.data.records import IMAGE_FORMATS, INDEX_KEY, DataError
+from tfdist import kvstore
+from tfdist.data.records import (IMAGE_FORMATS, INDEX_KEY, MAX_SHARDS, DataError, shard_glob, shard_name,
+                                 shown_shard_names)
 
-
-_POLL_S = 0.2  # how often a worker waiting for the chief's write looks again
+_POLL_S = 0.2  # how often a worker waiting for the chief looks again
 _NOTE_EVERY_S = 60.0  # how often it says that it is still waiting
+_STORE_WAIT_MS = 1000  # how long one look waits for the chief's key to appear
+# This process's write_tfrecords calls so far, per store key of their arguments: the n-th call with the same
+# arguments is one call on every worker.
+_calls: collections.Counter = collections.Counter()
+_T = TypeVar("_T")
 
 
 def _before_each_move() -> None:
@@ -53,15 +71,20 @@ class WriteResult:
 
     @property
     def pattern(self) -> str:
-        """A file pattern matching these shards, for ``tfrecord_dataset``."""
-        first = self.paths[0]
-        prefix = first[:first.rindex("-", 0, first.rindex("-of-"))]
-        return f"{prefix}-*-of-{len(self.paths):05d}.tfrecord"
+        """A file pattern matching exactly these shards (no other prefix's), for ``tfrecord_dataset``."""
+        directory, first = os.path.split(self.paths[0])
+        prefix = first[:-len(shard_name("", 0, len(self.paths)))]
+        return os.path.join(directory, shard_glob(prefix, len(self.paths)))
 
 
-def shard_name(prefix: str, index: int, num_shards: int) -> str:
-    """``prefix-00000-of-00016.tfrecord``."""
-    return f"{prefix}-{index:05d}-of-{num_shards:05d}.tfrecord"
+@dataclasses.dataclass(frozen=True)
+class _Examples:
+    """What a source holds: ``fingerprint`` hashes the examples in order and the settings, ``content``
+    the examples in any order."""
+
+    fingerprint: str
+    content: str
+    count: int
 
 
 def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str = "data",
@@ -69,10 +92,12 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     """Writes examples into ``num_shards`` TFRecord files of ``tf.train.Example``.
 
     In a multi-worker job, call it on every worker with the same arguments (as a script
-    does): worker 0 writes, the others wait until its shards of the same examples are
-    complete and return the same result, so no worker reads early. ``out_dir`` must then
-    be a directory every worker sees (a shared filesystem). Shards of the same examples
-    and settings already complete in ``out_dir`` are not rewritten.
+    does): worker 0 writes, the others check that their examples are worker 0's, wait until
+    its shards are complete and return the same result (or raise worker 0's error), so no
+    worker reads early. ``out_dir`` must then be a directory every worker sees (a shared
+    filesystem), and the source must give every worker the same examples in the same order.
+    When the shards of the same examples and settings are complete in ``out_dir``, every
+    worker returns them and nothing is rewritten (``overwrite`` or not).
 
     Args:
         source: a ``tf.data.Dataset`` of dicts (a tfds split) or of (image, label) pairs,
@@ -80,65 +105,148 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
             shape (H, W, C) or (H, W) are images; other features must be scalars or 1-D
             (numbers, booleans or strings). Floats are stored as float32.
         out_dir: the directory for the shards (created if missing).
-        num_shards: how many files; write at least as many as the workers that will read
-            them, so each reads whole files.
+        num_shards: how many files (1 to 99999); write at least as many as the workers that
+            will read them, so each reads whole files.
         prefix: shard names are ``prefix-00000-of-00016.tfrecord``.
         image_format: "jpeg" (smaller, lossy) or "png" (lossless).
         jpeg_quality: 1 to 100.
-        overwrite: replace shards already in ``out_dir`` under this prefix.
+        overwrite: replace shards of this prefix (of any count) already in ``out_dir``.
 
     Returns:
-        The shard paths and the number of records; ``result.pattern`` matches the shards.
+        The shard paths and the number of records; ``result.pattern`` matches exactly these shards.
 
     Raises:
-        DataError: bad arguments, an unsupported feature, an empty source, or a source
-            that already has a feature named "index".
-        FileExistsError: shards with this prefix exist and ``overwrite`` is False.
+        DataError: bad arguments, an unsupported feature, an empty source, a source that
+            already has a feature named "index", or (on a worker other than the chief) examples
+            or an order other than the chief's.
+        FileExistsError: shards of this prefix that are not these examples exist and
+            ``overwrite`` is False (on every worker).
     """
     _check_arguments(num_shards, prefix, image_format, jpeg_quality)
     dataset = _as_dataset(source)
     kinds = _feature_kinds(dataset.element_spec, image_format)
     names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
-    fingerprint = _fingerprint(dataset, [names, image_format, jpeg_quality])
+    paths = tuple(os.path.join(out_dir, name) for name in names)
+    settings = [names, image_format, jpeg_quality]
+    key = _store_key([out_dir, prefix, num_shards, image_format, jpeg_quality, overwrite])
     job = cluster_lib.cluster_from_env()
     if job.is_chief:
-        return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite, fingerprint)
-    return _wait_for_the_chief(job.worker_index, out_dir, prefix, names, fingerprint)
+        def write(examples: _Examples) -> WriteResult:
+            return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite,
+                          examples.fingerprint)
+        return _publishing(key, lambda: _hash(dataset, settings), write)
+    examples = _hash(dataset, settings)  # TF ran ops by now, so tfdist built its strategy and the store of a job
+    rank = job.worker_index
+    if not kvstore.available():
+        count = _wait(rank, f"for worker 0's shards of these examples in {out_dir}: every worker must see that "
+                            "directory (a shared filesystem), and read the same examples in the same order (an "
+                            "unseeded shuffle or tfds shuffle_files=True differs per process: seed it, or write on "
+                            "worker 0 only)", lambda: _finished(out_dir, prefix, examples.fingerprint))
+        return WriteResult(paths, count)
+    count = _wait(rank, f"for worker 0 to write these examples into {out_dir} (every worker must make the same "
+                        "write_tfrecords calls, or only worker 0)", lambda: _chiefs_outcome(key, rank, examples))
+    _wait(rank, f"to see worker 0's shards in {out_dir}: every worker must see that directory (a shared filesystem)",
+          lambda: all(tf.io.gfile.exists(path) for path in paths) or None)
+    return WriteResult(paths, count)
 
 
-def _fingerprint(dataset: tf.data.Dataset, settings: list) -> str:
-    """A hash of every example's values, in order, and of the settings that shape the shards.
+def _store_key(arguments: list) -> str:
+    """The store key of this call: its arguments, and how many calls with the same ones this process made before."""
+    digest = hashlib.sha256(json.dumps(arguments).encode()).hexdigest()[:16]
+    _calls[digest] += 1
+    return f"tfdist/data/write_tfrecords/{digest}/{_calls[digest]}"
+
+
+def _publishing(key: str, hash_examples: Callable[[], _Examples],
+                write: Callable[[_Examples], WriteResult]) -> WriteResult:
+    """The chief: publishes its examples' hashes under ``key``, then the outcome of ``write``: its record count or
+    its error (nothing without a store)."""
+    published: dict[str, Any] = {}
+    try:
+        examples = hash_examples()
+        published.update(dataclasses.asdict(examples))
+        kvstore.put(key, json.dumps(published))
+        result = write(examples)
+    except Exception as error:
+        kvstore.put(key, json.dumps({**published, "error": type(error).__name__, "message": str(error)}))
+        raise
+    kvstore.put(key, json.dumps({**published, "num_records": result.num_records}))
+    return result
+
+
+def _chiefs_outcome(key: str, rank: int, examples: _Examples) -> int | None:
+    """The chief's record count once its shards of ``examples`` are complete, None before.
+
+    Raises:
+        DataError: the chief's examples, or their order, differ from this worker's; or the chief's write failed.
+        FileExistsError: the chief's (shards of this prefix that are not these examples).
+    """
+    chiefs = json.loads(kvstore.get(key, _STORE_WAIT_MS) or "{}")
+    if chiefs.get("fingerprint", examples.fingerprint) != examples.fingerprint:
+        raise _differs(rank, examples, chiefs)
+    if chiefs.get("error") == "FileExistsError":
+        raise FileExistsError(chiefs["message"])
+    if "error" in chiefs:
+        raise DataError(f"Worker 0 could not write these examples ({chiefs['error']}: {chiefs['message']}); "
+                        "its output says why.")
+    return chiefs.get("num_records")
+
+
+def _differs(rank: int, mine: _Examples, chiefs: dict) -> DataError:
+    """The error of a worker whose examples are not the chief's: their order, or the examples themselves."""
+    if mine.content == chiefs["content"]:
+        cause = (f"worker {rank} read the same {mine.count} examples as worker 0 in another order: the source's "
+                 "order differs between workers (e.g. an unseeded shuffle or tfds shuffle_files=True). Seed it "
+                 "(dataset.shuffle(n, seed=S); tfds.load(..., read_config=tfds.ReadConfig(shuffle_seed=S)))")
+    else:
+        cause = (f"worker {rank} read other examples than worker 0 ({mine.count} examples; worker 0 read "
+                 f"{chiefs['count']}): the source's content differs between workers (e.g. examples made at random, "
+                 "or loaded per worker). Give every worker the same examples")
+    return DataError(f"write_tfrecords: {cause}, or write on worker 0 only (call write_tfrecords there, then "
+                     "tfdist.collectives.barrier()).")
+
+
+def _wait(rank: int, what: str, look: Callable[[], _T | None]) -> _T:
+    """What ``look`` returns once it is not None; says every ``_NOTE_EVERY_S`` that worker ``rank`` still waits."""
+    started = time.monotonic()
+    next_note = started + _NOTE_EVERY_S
+    while (found := look()) is None:
+        if time.monotonic() > next_note:
+            print(f"tfdist.data: worker {rank} has waited {time.monotonic() - started:.0f} s {what}.",
+                  file=sys.stderr, flush=True)
+            next_note += _NOTE_EVERY_S
+        time.sleep(_POLL_S)
+    return found
+
+
+def _hash(dataset: tf.data.Dataset, settings: list) -> _Examples:
+    """Hashes of every example's values, in order (with the settings that shape the shards) and in any order.
 
     Raises:
         DataError: the dataset holds no example.
     """
-    digest, count = hashlib.sha256(json.dumps(settings).encode()), 0
+    ordered, total, count = hashlib.sha256(json.dumps(settings).encode()), 0, 0
     for count, example in enumerate(dataset.as_numpy_iterator(), start=1):
-        for key in sorted(example):
-            value = np.asarray(example[key])
-            digest.update(f"{key}:{value.dtype}:{value.shape};".encode())
-            if value.dtype == object:  # 1-D strings: bytes objects, each hashed with its length
-                for item in value.reshape(-1):
-                    digest.update(len(item).to_bytes(8, "little") + item)
-            else:
-                digest.update(np.ascontiguousarray(value).tobytes())
+        digest = _example_digest(example)
+        ordered.update(digest)
+        total += int.from_bytes(digest, "little")  # a sum: the same in any order
     if count == 0:
         raise DataError("The source holds no example: nothing to write.")
-    return digest.hexdigest()
+    return _Examples(ordered.hexdigest(), f"{total % 2 ** 256:064x}", count)
 
 
-def _wait_for_the_chief(rank: int, out_dir: str, prefix: str, names: list[str], fingerprint: str) -> WriteResult:
-    """A worker other than the chief: waits until the chief's shards of these very examples are complete."""
-    started = time.monotonic()
-    next_note = started + _NOTE_EVERY_S
-    while (count := _finished(out_dir, prefix, fingerprint)) is None:
-        if time.monotonic() > next_note:
-            print(f"tfdist.data: worker {rank} has waited {time.monotonic() - started:.0f} s for worker 0 to write "
-                  f"these examples into {out_dir} (every worker must see that directory: a shared filesystem).",
-                  file=sys.stderr, flush=True)
-            next_note += _NOTE_EVERY_S
-        time.sleep(_POLL_S)
-    return WriteResult(tuple(os.path.join(out_dir, n) for n in names), count)
+def _example_digest(example: dict) -> bytes:
+    """The SHA-256 of one example: each feature's name, dtype, shape and values."""
+    digest = hashlib.sha256()
+    for key in sorted(example):
+        value = np.asarray(example[key])
+        digest.update(f"{key}:{value.dtype}:{value.shape};".encode())
+        if value.dtype == object:  # 1-D strings: bytes objects, each hashed with its length
+            for item in value.reshape(-1):
+                digest.update(len(item).to_bytes(8, "little") + item)
+        else:
+            digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.digest()
 
 
 def _finished(out_dir: str, prefix: str, fingerprint: str) -> int | None:
@@ -159,14 +267,16 @@ def _finished(out_dir: str, prefix: str, fingerprint: str) -> int | None:
 
 def _write(dataset: tf.data.Dataset, kinds: dict[str, str], out_dir: str, prefix: str, names: list[str],
            image_format: str, jpeg_quality: int, overwrite: bool, fingerprint: str) -> WriteResult:
-    existing = tf.io.gfile.glob(os.path.join(out_dir, f"{prefix}-*-of-*.tfrecord"))
-    if existing and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {prefix}-*-of-*.tfrecord; "
-                              "pass overwrite=True to replace them, or choose another prefix or out_dir.")
+    """The chief's part: the complete set of these examples when it is there, else a new write of it."""
     paths = tuple(os.path.join(out_dir, n) for n in names)
     done = _finished(out_dir, prefix, fingerprint)
     if done is not None:  # these very examples are there, complete: nothing to replace
         return WriteResult(paths, done)
+    existing = tf.io.gfile.glob(os.path.join(out_dir, shard_glob(prefix)))
+    if existing and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {len(existing)} shard(s) named {shown_shard_names(prefix)}, "
+                              "not a complete write of these examples with these settings; pass overwrite=True to "
+                              "replace them, or choose another prefix or out_dir.")
     tf.io.gfile.makedirs(out_dir)
     for stale in tf.io.gfile.glob(os.path.join(out_dir, _temp_pattern(prefix))):  # left by a killed write
         tf.io.gfile.rmtree(stale)
@@ -198,14 +308,16 @@ def _marker_name(prefix: str) -> str:
 
 
 def _temp_pattern(prefix: str) -> str:
-    return f".tmp-{prefix}-{'?' * 8}"
+    """The glob of ``prefix``'s temporary directories (never another prefix's: 8 hex digits, no '-')."""
+    return f".tmp-{prefix}-{'[0-9a-f]' * 8}"
 
 
 def _check_arguments(num_shards: int, prefix: str, image_format: str, jpeg_quality: int) -> None:
-    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-        raise DataError(f"num_shards must be a positive int: received num_shards={num_shards!r}.")
-    if not prefix or any(char in prefix for char in "/*?["):
-        raise DataError(f"prefix must be a non-empty file name part without '/' or glob characters (*?[): "
+    if not isinstance(num_shards, int) or isinstance(num_shards, bool) or not 1 <= num_shards <= MAX_SHARDS:
+        raise DataError(f"num_shards must be an int from 1 to {MAX_SHARDS} (shard names hold 5 digits): "
+                        f"received num_shards={num_shards!r}.")
+    if not prefix or any(char in prefix for char in "/*?[\\"):
+        raise DataError(f"prefix must be a non-empty file name part without '/' or glob characters (*?[\\): "
                         f"received prefix={prefix!r}.")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"Unknown image_format={image_format!r}; choose one of {list(IMAGE_FORMATS)}.")
