@@ -79,3 +79,21 @@ def test_a_sparse_gradient_with_a_repeated_row_updates_as_its_dense_sum(optimize
         return variable.numpy()
 
     np.testing.assert_allclose(updated(repeated), updated(dense), rtol=1e-6)
+
+
+def test_fit_warns_about_shuffle_only_when_the_caller_passed_it():
+    """Keras warns "`shuffle=True` was passed, but will be ignored" for every fit(tf.data.Dataset): its default."""
+    import warnings
+
+    import keras
+
+    model = _model()
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    data = tf.data.Dataset.from_tensor_slices((np.ones((8, 3), "float32"), np.ones((8, 1), "float32"))).batch(4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(data, epochs=1, verbose=0)
+        model.fit((batch for batch in data.as_numpy_iterator()), steps_per_epoch=2, epochs=1, verbose=0)
+    assert not [w for w in caught if "shuffle" in str(w.message)]
+    with pytest.warns(UserWarning, match="`shuffle=True` was passed, but will be ignored"):
+        model.fit(data, epochs=1, verbose=0, shuffle=True)

@@ -123,3 +123,86 @@ def test_stop_signals_come_from_the_environment_and_a_bad_name_is_a_clear_error(
         preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "SIGTERM,FOO"})
     with pytest.raises(ValueError, match="SIGKILL is not a signal a process can catch"):
         preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "KILL"})
+
+
+# Edges of the control plane (issue 40) -----------------------------------------------------------
+
+def test_sigterm_to_the_launcher_with_a_multiprocessing_pydataset_saves_and_resumes_exactly(tmp_path):
+    """The SIGTERM reaches the PyDataset pool's forked children too: they end (the default action), and
+    never act as their worker (a stale stop request under its rank); the worker saves and resumes exactly."""
+    reference = run_job("preempt_job.py", tmp_path / "reference", "pydataset-none", timeout=240).check()
+    first = run_job("preempt_job.py", tmp_path, "pydataset", timeout=240, launcher_args=GRACE)
+    assert first.returncode == cluster.EXIT_PREEMPTED, first.output[-4000:]
+    assert "every worker saved at the step they agreed on" in first.output
+    second = run_job("preempt_job.py", tmp_path, "pydataset", timeout=240, launcher_args=GRACE).check()
+    for rank in (0, 1):
+        runs = steps_by_run(tmp_path, rank)
+        assert len(runs) == 2 and runs[0] + runs[1] == ALL_STEPS, runs
+        assert second.results[rank]["iterations"] == reference.results[rank]["iterations"] == len(ALL_STEPS)
+        np.testing.assert_array_equal(np.concatenate([np.ravel(w) for w in second.results[rank]["weights"]]),
+                                      np.concatenate([np.ravel(w) for w in reference.results[rank]["weights"]]))
+
+
+def test_a_stop_asked_in_the_last_step_of_a_fit_does_not_stop_the_next_fit(tmp_path):
+    result = run_job("stop_edges_job.py", tmp_path, "two-fits", timeout=240,
+                     env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).check()
+    assert result.results[0]["steps"] == result.results[1]["steps"] == [6, 20]
+    assert result.results[0]["iterations"] == result.results[1]["iterations"] == 26
+    assert result.results[0]["weights"] == result.results[1]["weights"]
+    # Where a scheduler may preempt (here Kubernetes), worker 0 says once that nothing would be saved.
+    assert result.output.count("tfdist: fit has no keras.callbacks.BackupAndRestore") == 1
+    assert "[0] tfdist: fit has no keras.callbacks.BackupAndRestore" in result.output
+
+
+def test_a_signal_after_a_workers_report_still_makes_every_worker_agree_on_a_preemption(tmp_path):
+    result = run_job("stop_edges_job.py", tmp_path, "disagree", timeout=240, launcher_args=GRACE)
+    assert result.returncode == cluster.EXIT_PREEMPTED, result.output[-4000:]
+    assert "preempted (SIGTERM to worker 0): every worker stopped after step 3" in result.output
+    assert "exit codes [85, 85]" in result.output and "the job was preempted and saved" in result.output
+    assert not result.results  # no worker returned from fit as if nothing happened
+    assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["steps_done_in_epoch"] == 3
+
+
+@pytest.mark.parametrize("mode", ["loop", "elastic"])
+def test_a_sigterm_after_a_custom_loop_or_hvd_elastic_run_takes_its_default_action(tmp_path, mode):
+    began = time.monotonic()
+    result = run_job("stop_edges_job.py", tmp_path, mode, timeout=120, launcher_args=GRACE)
+    assert (tmp_path / "signalled").exists(), result.output[-3000:]
+    assert result.returncode == 128 + signal.SIGTERM, result.output[-3000:]
+    assert "worker 1 was killed by SIGTERM" in result.output
+    assert time.monotonic() - began < 45  # not the 60 s of post-loop work
+
+
+def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying_so(tmp_path):
+    result = run_job("stop_edges_job.py", tmp_path, "unanswered", timeout=120,
+                     launcher_args=("--grace-period", "10", "--hang-timeout", "0"))
+    ended = time.time()
+    assert result.returncode == 1, result.output[-3000:]
+    assert "but worker 1 did not answer in time (it may have died, or be stuck in a step)" in result.output
+    assert ended - (tmp_path / "signalled").stat().st_mtime < 20  # the grace period, not TensorFlow's heartbeat
+
+
+def test_a_store_that_fails_at_once_is_read_with_pauses_until_the_deadline(monkeypatch):
+    from tfdist import kvstore
+
+    calls = []
+
+    class Gone:
+        def get_config_key_value(self, key, timeout_ms):
+            calls.append(key)
+            raise RuntimeError("UNAVAILABLE: the coordination service is gone")
+
+    monkeypatch.setattr(kvstore, "_context", lambda: Gone())
+    began = time.monotonic()
+    assert kvstore.wait_for("tfdist/stop/1/report/1", began + 2.0) is None
+    assert 1.9 < time.monotonic() - began < 3.0
+    assert len(calls) <= 8, len(calls)  # 0.05, 0.1, 0.2, 0.4, 0.8, 1 s pauses: not a busy loop
+
+
+def test_the_grace_period_comes_from_the_environment_and_a_bad_one_is_a_clear_error():
+    from tfdist import preemption
+
+    assert preemption.grace_from_env({}) == 25.0
+    assert preemption.grace_from_env({"TFDIST_GRACE_PERIOD": "7.5"}) == 7.5
+    with pytest.raises(ValueError, match=r"TFDIST_GRACE_PERIOD='soon' is not a number of seconds: .* --grace-period"):
+        preemption.grace_from_env({"TFDIST_GRACE_PERIOD": "soon"})

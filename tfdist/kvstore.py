@@ -3,7 +3,8 @@
 TensorFlow's coordination service (worker 0 holds it) has a key-value store with no public API
 (``context.context().get_config_key_value``); the hang watchdog (``tfdist.watchdog``) and the
 agreed stop (``tfdist.preemption``) use it through these helpers. Without a store (one worker,
-no multi-worker strategy) reads return None and writes do nothing.
+no multi-worker strategy) reads return None and writes do nothing; so do they in a process forked
+from a worker (a ``multiprocessing`` child), whose copy of TensorFlow's client is not its own.
 """
 
 from __future__ import annotations
@@ -15,9 +16,21 @@ import time
 from tensorflow.python.eager import context  # private: TF's key-value store has no public API
 
 TIMEOUT_MS = 500
+_BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
+_forked = False  # a child forked from a worker: TensorFlow's client is not its own
+
+
+def _in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 
 def _context():
+    if _forked:
+        return None
     ctx = context.context()
     return ctx if ctx.coordination_service is not None else None
 
@@ -36,6 +49,24 @@ def get(key: str, timeout_ms: int = TIMEOUT_MS) -> str | None:
         return ctx.get_config_key_value(key, timeout_ms)
     except Exception:  # noqa: BLE001  (absent: DeadlineExceeded; the store gone: Unavailable)
         return None
+
+
+def wait_for(key: str, deadline: float) -> str | None:
+    """The value of ``key`` once set, or None when ``deadline`` (``time.monotonic()``) passes first.
+
+    Each read waits in the store for up to a second; when the store answers at once without a
+    value (it is gone, or refuses), the next read comes after a pause that doubles up to a second.
+    """
+    pause = _BACKOFF_S[0]
+    while (left := deadline - time.monotonic()) > 0:
+        began = time.monotonic()
+        value = get(key, max(1, int(min(left, 1.0) * 1000)))
+        if value is not None:
+            return value
+        if time.monotonic() - began < 0.5 * min(left, 1.0):  # failed fast: back off
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, _BACKOFF_S[1])
+    return None
 
 
 def put(key: str, value: str) -> None:

@@ -40,7 +40,6 @@ import numpy as np
 from tfdist import atomic_files, preemption
 from tfdist import cluster as cluster_lib
 from tfdist.horovod import basics, ops
-from tfdist.keras_fixes import callbacks as keras_fixes_callbacks
 
 __all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State", "TensorFlowKerasState", "TensorFlowState",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
@@ -277,7 +276,10 @@ def run(func: Callable) -> Callable:
         state.sync()
         if restored:
             state.on_reset()
-        return func(state, *args, **kwargs)
+        try:
+            return func(state, *args, **kwargs)
+        finally:
+            preemption.end_loop()  # its commits' rounds end with it; a stop signal acts as without tfdist again
 
     return wrapper
 
@@ -336,7 +338,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.state.batch:
-            keras_fixes_callbacks.skip_next_epoch_steps(self.state.batch)
+            preemption.resume_at(self.state.batch)
 
     def on_train_batch_end(self, batch, logs=None):
         self.state.batch = batch + 1

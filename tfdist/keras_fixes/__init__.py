@@ -36,8 +36,10 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
   optimizer reads it (Adam, ``global_clipnorm``), as tf.keras 2 did: one device equals N.
 * ``scaled_loss``: ``LossScaleOptimizer.scale_loss`` remembers the loss it scaled, so
   ``hvd.DistributedGradientTape`` sends those gradients unscaled on a float16 wire.
-* ``preemption``: a stop signal or a callback's mid-epoch ``stop_training`` stops every worker
-  after one agreed step; a preempted fit saves through BackupAndRestore and exits 85.
+* ``quiet_fit``: ``fit`` does not warn about a ``shuffle`` the caller never passed.
+* ``preemption``: each ``fit`` is a session of the agreed stop: a stop signal or a callback's
+  ``stop_training`` on one worker stops every worker after one agreed step (or epoch); a
+  preempted fit saves through BackupAndRestore and exits 85.
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
     from tfdist.keras_fixes import (accumulation, autotune_fit, callbacks, distribution, distribution_cluster,
-                                    gradient_buckets, loss_scale, multi_worker, precision_check, preemption,
+                                    gradient_buckets, loss_scale, multi_worker, precision_check, preemption, quiet,
                                     replica_state, scaled_loss, sparse_rows,
                                     steps_per_execution, sync_batch_norm, uneven, xla)
 
     return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
-            distribution_cluster.patch, distribution.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,
+            distribution_cluster.patch, distribution.patch, quiet.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,
             scaled_loss.patch)
 
 

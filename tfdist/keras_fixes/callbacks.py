@@ -11,8 +11,8 @@ Under a MultiWorkerMirroredStrategy of several workers (rank from the model's st
   deleted when training ends; only the chief's files appear.
 * ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``:
   the monitored value is averaged over the workers before the decision, so every
-  worker decides the same on the same epoch; and after each epoch, if any worker set
-  ``model.stop_training``, every worker stops (one stopping alone would hang the rest).
+  worker decides the same on the same epoch (an epoch-end ``stop_training`` on any one
+  worker stops every worker: ``tfdist.keras_fixes.preemption``).
 
 Under any other strategy they behave as Keras wrote them, apart from atomic local writes.
 """
@@ -28,7 +28,6 @@ import tempfile
 import keras
 import tensorflow as tf
 from keras.src.callbacks.backup_and_restore import BackupAndRestore
-from keras.src.callbacks.callback_list import CallbackList
 from keras.src.callbacks.csv_logger import CSVLogger
 from keras.src.callbacks.early_stopping import EarlyStopping
 from keras.src.callbacks.model_checkpoint import ModelCheckpoint
@@ -37,7 +36,7 @@ from keras.src.callbacks.tensorboard import TensorBoard
 from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
-from tfdist import atomic_files, process_group
+from tfdist import atomic_files, preemption, process_group
 from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
@@ -46,8 +45,6 @@ patch = Patch(
     without="Keras' ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger race on one path from every "
             "worker, and EarlyStopping/ReduceLROnPlateau may decide differently per worker (a hang).")
 
-# Steps the next training epoch skips (their data consumed, not trained) after a mid-epoch restore.
-_pending_skip = 0
 STEPS_DONE = "steps_done_in_epoch"  # tfdist's key in training_metadata.json
 _REPORTS_LAST_BATCH = Version(keras.__version__) >= Version("3.11")
 
@@ -58,7 +55,7 @@ def _workers(model) -> tuple[int, int]:
     return process_group.worker_rank(strategy), process_group.num_workers(strategy)
 
 
-def _sum_over_workers(value: float, model) -> float:
+def sum_over_workers(value: float, model) -> float:
     """``value`` summed over the workers of the strategy ``model`` was built under (a collective)."""
     group = process_group.for_strategy(model.distribute_strategy)
     return float(group.allreduce(tf.constant([value], tf.float64), op="sum", device="CPU").numpy()[0])
@@ -68,7 +65,7 @@ def _agree_on(model, logs: dict | None, key: str) -> None:
     """Replaces ``logs[key]`` with its mean over the workers, when there are several (as Horovod's
     MetricAverageCallback would): later callbacks see the mean too."""
     if logs and isinstance(logs.get(key), numbers.Real) and _workers(model)[1] > 1:
-        logs[key] = _sum_over_workers(float(logs[key]), model) / _workers(model)[1]
+        logs[key] = sum_over_workers(float(logs[key]), model) / _workers(model)[1]
 
 
 # ModelCheckpoint ---------------------------------------------------------------------------------
@@ -148,21 +145,19 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
 
 @patch.replaces(BackupAndRestore, "on_train_begin", ("self", "logs"))
 def _restore_and_resume_mid_epoch(original, self, logs=None):
-    global _pending_skip
     original(self, logs)  # Keras restores the weights and the epoch
     path = self._training_metadata_path
     with_steps = atomic_files.is_local(path) and os.path.exists(path)
-    _pending_skip = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
+    done = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
     steps = self.params.get("steps")
-    if _pending_skip and steps and _pending_skip >= steps:  # saved at an epoch's last step: never replay it empty
+    if done and steps and done >= steps:  # saved at an epoch's last step: never replay it empty
         self.model._initial_epoch += 1
-        _pending_skip = 0
+        done = 0
+    preemption.resume_at(done)
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
 def _delete_after_every_worker_is_done(original, self, logs=None):
-    global _pending_skip
-    _pending_skip = 0
     rank, workers = _workers(self.model)
     if workers > 1:
         process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes
@@ -172,20 +167,11 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
         process_group.for_strategy(self.model.distribute_strategy).barrier()  # no worker sees it before it is gone
 
 
-def skip_next_epoch_steps(steps: int) -> None:
-    """Makes the next training epoch start at step ``steps`` (earlier steps' data consumed, not trained).
-
-    For resuming mid-epoch (``tfdist.horovod.elastic``); ``BackupAndRestore``'s restore above does the same.
-    """
-    global _pending_skip
-    _pending_skip = steps
-
-
 @patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
 def _skip_steps_the_backup_had_done(original, self):
-    """The first training epoch after a mid-epoch restore: consume its done steps' data, then go on."""
-    global _pending_skip
-    skip, _pending_skip = _pending_skip, 0
+    """The first training epoch after a mid-epoch resume (``tfdist.preemption.resume_at``): consume its done
+    steps' data, then go on."""
+    skip = preemption.take_resume()
     for item in original(self):  # (step, iterator) before Keras 3.11, (begin, end, iterator) since
         if item[0] + self.steps_per_execution <= skip:
             for _ in range(self.steps_per_execution):
@@ -247,13 +233,3 @@ def _early_stopping_on_the_mean(original, self, epoch, logs=None):
 def _reduce_lr_on_the_mean(original, self, epoch, logs=None):
     _agree_on(self.model, logs, self.monitor)
     original(self, epoch, logs)
-
-
-@patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
-def _stop_together(original, self, epoch, logs=None):
-    original(self, epoch, logs)
-    model = getattr(self, "model", None)
-    if model is None or _workers(model)[1] == 1:
-        return
-    stops = _sum_over_workers(float(bool(model.stop_training)), model)
-    model.stop_training = stops > 0

@@ -2,58 +2,84 @@
 
 Keras 3's BackupAndRestore has no ``save_before_preemption`` (tf_keras 2's had it, on TF's
 PreemptionCheckpointHandler, custom loops only), and a callback that sets
-``model.stop_training`` mid-epoch on one worker leaves the others alone in the next step's
-collective. With this fix, at every batch end of ``fit``:
+``model.stop_training`` on one worker leaves the others alone in the next step's collective.
+With this fix each ``fit`` is a session of ``tfdist.preemption`` (opened as it starts, closed
+when its steps end or it fails), and:
 
-* a callback's ``model.stop_training = True`` on one worker of several becomes a request:
-  every worker stops after the same agreed step (exit 0, the same weights);
+* at every batch end, a callback's ``model.stop_training = True`` on one worker of several
+  becomes a request: every worker stops after the same agreed step (exit 0, the same weights);
 * a stop signal (SIGTERM, SIGUSR1) to any worker makes every worker stop after the agreed
   step, save through the user's ``BackupAndRestore`` (its mid-epoch state: the epoch and
   the steps done in it, which ``tfdist.keras_fixes.callbacks`` resumes at), and exit 85.
   A stop that falls on an epoch's last step saves after the epoch's end (validation and
-  epoch-end callbacks run first), so a resumed run never replays an empty epoch.
+  epoch-end callbacks run first), so a resumed run never replays an empty epoch;
+* at every epoch end, a ``model.stop_training`` set on any worker (a callback of its own)
+  stops every worker after that epoch: the flag is summed over the workers by a collective
+  every worker runs there.
 
-``fit`` on several workers without BackupAndRestore warns once at start (worker 0). After a
-restore, EarlyStopping's and ReduceLROnPlateau's counters go on from the backup
-(``tfdist.keras_fixes.callback_state``): as they were when it saved (Keras runs callbacks in list
-order, so list BackupAndRestore after them to keep their epoch end).
+``fit`` on several workers without BackupAndRestore says once, where a preemption is likely
+(under SLURM or Kubernetes), that nothing would be saved. After a restore, EarlyStopping's and
+ReduceLROnPlateau's counters go on from the backup (``tfdist.keras_fixes.callback_state``): as
+they were when it saved (Keras runs callbacks in list order, so list BackupAndRestore after them
+to keep their epoch end).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.callbacks.backup_and_restore import BackupAndRestore
 from keras.src.callbacks.callback_list import CallbackList
 
 from tfdist import preemption, process_group
 from tfdist.keras_fixes import callback_state
+from tfdist.keras_fixes.callbacks import sum_over_workers
+from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
 
 patch = Patch(
     "preemption", "keras#19280 (Keras 3 dropped BackupAndRestore(save_before_preemption))",
     without="a SIGTERM kills the workers with nothing saved since the last backup, and a callback that stops one "
-            "worker mid-epoch leaves the others waiting in the next step's collective.")
+            "worker leaves the others waiting in the next step's collective.")
 
-_warned = False
+# Where a scheduler may preempt the job: the hint about BackupAndRestore is said there only.
+_SCHEDULER_VARIABLES = ("SLURM_JOB_ID", "KUBERNETES_SERVICE_HOST")
+_hinted = False
 
 
 def _backups(callbacks: CallbackList) -> list[BackupAndRestore]:
     return [c for c in callbacks.callbacks if isinstance(c, BackupAndRestore)]
 
 
+def _several_workers(model) -> bool:
+    return process_group.num_workers(model.distribute_strategy) > 1
+
+
+@patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)
+def _fit_is_a_session(original, self, *args, **kwargs):
+    preemption.begin_fit()
+    try:
+        result = original(self, *args, **kwargs)
+    except BaseException:
+        preemption.end_fit(failed=True)  # its rounds end with it; its error goes on
+        raise
+    preemption.end_fit()
+    return result
+
+
 @patch.replaces(CallbackList, "on_train_begin", ("self", "logs"))
 def _arm(original, self, logs=None):
-    global _warned
+    global _hinted
     original(self, logs)
     backups = _backups(self)
     for backup in backups:  # its saves keep the other callbacks' counters; a restore sets them back
         backup._tfdist_callbacks = self.callbacks
         callback_state.restore(self.callbacks, backup._training_metadata_path)
-    preemption.training(True)
-    if preemption.armed() and not _warned and preemption.rank() == 0 and not backups \
-            and process_group.num_workers(self.model.distribute_strategy) > 1:
-        _warned = True
+    if preemption.armed() and not _hinted and preemption.rank() == 0 and not backups and \
+            any(name in os.environ for name in _SCHEDULER_VARIABLES) and _several_workers(self.model):
+        _hinted = True
         print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
               "every worker stops at an agreed step but nothing is saved; add BackupAndRestore(DIR) to the "
               "callbacks to resume there (docs/preemption.md).", file=sys.stderr, flush=True)
@@ -63,7 +89,7 @@ def _arm(original, self, logs=None):
 def _stop_at_the_agreed_step(original, self, batch, logs=None):
     original(self, batch, logs)
     model = self.model
-    if model.stop_training and process_group.num_workers(model.distribute_strategy) > 1:
+    if model.stop_training and _several_workers(model):
         model.stop_training = False  # one worker alone must not stop: ask every worker to stop together
         preemption.request(f"a callback set model.stop_training on worker {preemption.rank()} "
                            f"at batch {batch}")
@@ -74,22 +100,23 @@ def _stop_at_the_agreed_step(original, self, batch, logs=None):
     steps = self.params.get("steps")
     if decision.preempt and not (steps and batch + 1 >= steps):
         _save_and_exit(self, decision)
-    elif not decision.preempt:
-        preemption.next_round()
     # a preemption at an epoch's last step: saved after the epoch's end (below)
 
 
 @patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
-def _preempted_after_the_epoch(original, self, epoch, logs=None):
+def _epoch_end_together(original, self, epoch, logs=None):
     original(self, epoch, logs)
     decision = preemption.decision()
     if decision is not None and decision.preempt:
         _save_and_exit(self, decision)
+    model = getattr(self, "model", None)
+    if model is not None and _several_workers(model):
+        model.stop_training = sum_over_workers(float(bool(model.stop_training)), model) > 0
 
 
 @patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
 def _disarm(original, self, logs=None):
-    preemption.training(False)
+    preemption.end_fit()  # no step follows: a stop signal no verdict honoured acts now, before any cleanup
     original(self, logs)
 
 
