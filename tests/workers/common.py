@@ -274,3 +274,20 @@ def resumable_model():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=5, decay_rate=0.9)
     model.compile(optimizer=keras.optimizers.Adam(learning_rate=schedule), loss="mse")
     return model
+
+
+def sgd_train_step(strategy, model, optimizer):
+    """A custom loop's tf.function step: mean squared error over GLOBAL_BATCH, the optimizer's update."""
+    import keras
+    import tensorflow as tf
+
+    @tf.function
+    def train_step(batch):
+        def replica_step(features, labels):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.mean_squared_error(labels, model(features, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica_step, args=batch)
+
+    return train_step

@@ -39,17 +39,7 @@ x, y = common.regression_data(common.GLOBAL_BATCH * TOTAL)
 start = int(step.numpy())
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH).skip(start)
 iterator = iter(strategy.experimental_distribute_dataset(data))
-
-
-@tf.function
-def train_step(batch):
-    def replica_step(features, labels):
-        with tf.GradientTape() as tape:
-            per_example = keras.losses.mean_squared_error(labels, model(features, training=True))
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=common.GLOBAL_BATCH)
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    strategy.run(replica_step, args=batch)
-
+train_step = common.sgd_train_step(strategy, model, optimizer)
 
 done, path = [], os.path.join(out_dir, f"steps{rank}-{os.getpid()}.json")
 for current in range(start, TOTAL):

@@ -112,15 +112,7 @@ elif mode in ("loop", "elastic"):
         optimizer = keras.optimizers.SGD(learning_rate=0.05)
         optimizer.build(model.trainable_variables)
 
-    @tf.function
-    def train_step(batch):
-        def replica_step(features, labels):
-            with tf.GradientTape() as tape:
-                per_example = keras.losses.mean_squared_error(labels, model(features, training=True))
-                loss = tf.nn.compute_average_loss(per_example, global_batch_size=common.GLOBAL_BATCH)
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        strategy.run(replica_step, args=batch)
-
+    train_step = common.sgd_train_step(strategy, model, optimizer)
     iterator = iter(strategy.experimental_distribute_dataset(data(6)))
     if mode == "loop":
         for step in range(6):
