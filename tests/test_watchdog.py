@@ -1,7 +1,11 @@
-"""The hang watchdog: a collective that one worker never joins stops the job, naming it, with exit code 86."""
+"""The hang watchdog: a collective one worker never joins, a worker spinning in one call or a frozen one stops
+the job with exit code 86, naming it; a slow first step or a worker that exits first does not."""
 
 import json
+import os
+import pathlib
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -59,19 +63,17 @@ def test_a_hang_timeout_out_of_range_is_refused_by_the_launcher(value):
 
 
 def test_an_extra_allreduce_on_one_worker_stops_the_job_under_tfdist_run(tmp_path):
-    """Worker 1 traces its first step for 20 s (busy: no report although worker 0 waits longer than the
-    timeout), then makes an eager tfdist.allreduce that worker 0 never makes."""
-    result = run_job("hang_job.py", tmp_path, "extra_allreduce", timeout=SLOW,
-                     launcher_args=("--hang-timeout", "10"), env={"SLOW_TRACE_S": "20"})
+    """After its second step worker 1 makes an eager tfdist.allreduce that worker 0 never makes."""
+    result = run_job("hang_job.py", tmp_path, "extra_allreduce", timeout=SLOW, launcher_args=("--hang-timeout", "10"))
     ended = time.time()
     out = result.output
     assert result.returncode == EXIT_HANG, out[-6000:]
     assert ended - json.loads((tmp_path / "hang1.json").read_text())["at"] < 10 + 30
-    assert "has waited" in out and "(hang timeout 10 s)" in out
+    assert "has been in" in out and "(hang timeout 10 s)" in out
     # both wait (each in its own collective), so either may report first
-    assert re.search(r"reached it: worker\(s\) \[(1|0)\]; not reached: worker\(s\) \[(?!\1)[01]\]", out)
+    assert re.search(r": reached by worker\(s\) \[(1|0)\]; not by worker\(s\) \[(?!\1)[01]\]", out)
     assert re.search(r"worker 1 \(pid \d+\): in eager tfdist\.allreduce #\d+ \(group of ranks \[0, 1\]\)", out)
-    # worker 0 went past its slow first step (call 1) and waits in its third train step
+    # worker 0 went past the two steps worker 1 made and waits in its third
     assert re.search(r"worker 0 \(pid \d+\): in call 3 of tf\.function '\w+'", out)
     for rank in (0, 1):
         assert f"[{rank}] Python stacks of worker {rank}" in out
@@ -99,11 +101,68 @@ def test_a_worker_that_never_arrives_stops_workers_started_by_hand(tmp_path):
     ended = time.time()
     assert [w.returncode for w in workers] == [EXIT_HANG, EXIT_HANG], outputs[0][-4000:] + outputs[1][-4000:]
     assert ended - json.loads((tmp_path / "hang1.json").read_text())["at"] < 10 + 40
-    assert "reached it: worker(s) [0]; not reached: worker(s) [1]" in outputs[0]
+    assert ": reached by worker(s) [0]; not by worker(s) [1]" in outputs[0]
     # fit's first collective: autotune's agreement with worker 0 as it builds the train function (a broadcast),
     # Keras' eager strategy reduce, or the first train step
     assert re.search(r"worker 0 \(pid \d+\): in (eager tfdist\.broadcast #1|eager MultiWorkerMirroredStrategy reduce #1|"
                      r"call 1 of tf\.function)", outputs[0])
-    assert re.search(r"worker 1 \(pid \d+\): in no collective for \d+ s", outputs[0])
+    assert re.search(r"worker 1 \(pid \d+\): in no call for \d+ s", outputs[0])
     assert "tfdist hang watchdog: stopping worker 1: worker 0 reported a hang" in outputs[1]
     assert re.search(r"File .*hang_job\.py\", line \d+, in <module>\n\s+time\.sleep\(3600\)", outputs[1])
+
+
+def kill_leftover(out_dir, rank: int) -> None:
+    """SIGKILLs worker ``rank`` of the job writing to ``out_dir`` if it still runs (a frozen one may outlive it)."""
+    try:
+        pid = json.loads((out_dir / f"worker{rank}.json").read_text())["pid"]
+        if str(out_dir) in pathlib.Path(f"/proc/{pid}/cmdline").read_text():
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        pass  # it never started, or it is gone
+
+
+@pytest.mark.parametrize("rank, how", [(1, "sigstop"), (0, "sigstop"), (1, "gil")],
+                         ids=["worker-1-sigstopped", "worker-0-with-the-store-sigstopped", "worker-1-holding-the-gil"])
+def test_a_frozen_worker_is_named_silent_and_the_job_stops(tmp_path, rank, how):
+    """Worker ``rank`` freezes while busy in a call: its last state says busy, but no heartbeat follows.
+
+    TensorFlow's own heartbeats fail the job about 11.4 s after a SIGSTOP (exit 1, "stopped sending heartbeats"),
+    and never while only Python's lock is held; a hang timeout of 5 s reports it first (about 7 s)."""
+    try:
+        result = run_job("hang_job.py", tmp_path, "freeze", str(rank), how, timeout=60,
+                         launcher_args=("--hang-timeout", "5"))
+    finally:
+        kill_leftover(tmp_path, rank)
+    ended = time.time()
+    out = result.output
+    assert result.returncode == EXIT_HANG, out[-6000:]
+    assert "stopped sending heartbeats" not in out
+    assert ended - json.loads((tmp_path / f"hang{rank}.json").read_text())["at"] < 11  # before TensorFlow's
+    assert re.search(rf"worker\(s\) \[{rank}\] sent no heartbeat for 5 s or more \(hang timeout 5 s\)", out)
+    assert re.search(rf"worker {rank} \(pid \d+\): silent for [5-9] s; its last heartbeat said: in call 1 of "
+                     r"tf\.function 'spin' for [0-3] s, CPU busy", out)
+    assert re.search(rf"worker {1 - rank} \(pid \d+\): in call 3 of tf\.function '\w+' for \d+ s", out)
+
+
+def test_a_worker_spinning_in_one_call_past_the_timeout_is_named(tmp_path):
+    """Worker 1 keeps publishing heartbeats but stays busy inside one tf.function call."""
+    result = run_job("hang_job.py", tmp_path, "spin", timeout=60, launcher_args=("--hang-timeout", "10"))
+    ended = time.time()
+    out = result.output
+    assert result.returncode == EXIT_HANG, out[-6000:]
+    assert ended - json.loads((tmp_path / "hang1.json").read_text())["at"] < 10 + 15
+    assert re.search(r"worker 1 \(pid \d+\): in call 1 of tf\.function 'spin' for 1\d s, CPU busy", out)
+    assert re.search(r"worker [01] has been in call \d+ of tf\.function '\w+' for 1\d s \(hang timeout 10 s\)", out)
+    assert "sent no heartbeat" not in out
+
+
+@pytest.mark.parametrize("first", [1, 0], ids=["worker-1-exits-first", "worker-0-and-its-store-exit-first"])
+def test_a_slow_start_and_a_worker_that_exits_first_are_not_hangs(tmp_path, first):
+    """Worker 0 waits in its first step longer than the timeout while worker 1 computes, then traces (for less
+    than the timeout); after fit worker ``first`` exits and the other stays longer than the timeout."""
+    result = run_job("hang_job.py", tmp_path, "slow_start", str(first), timeout=120,
+                     launcher_args=("--hang-timeout", "10"))
+    result.check()
+    assert "hang watchdog" not in result.output
+    assert result.results[0]["first_call_s"] >= 10  # the wait the watchdog must have forgiven
+    assert "[0] finished" in result.output and "[1] finished" in result.output

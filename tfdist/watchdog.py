@@ -1,4 +1,4 @@
-"""The hang watchdog: a worker that waits in a collective longer than the hang timeout stops the job.
+"""The hang watchdog: a worker stuck in one call, or silent, for longer than the hang timeout stops the job.
 
 ``TFDIST_HANG_TIMEOUT`` (``tfdist run --hang-timeout S``) is S in seconds: 600 by default, 0 turns
 the watchdog off. It lives in each worker process, started with its multi-worker strategy, so it
@@ -10,21 +10,33 @@ step: ``tfdist.runtime_hooks`` marks them) or one of tfdist's eager collectives
 thread with a few attribute writes. No thread per collective (TensorFlow's own collective timeout
 starts one per collective: docs/performance.md).
 
-One daemon thread per process wakes every S/10 seconds (1 to 10 s). It publishes this worker's
-state (its current call, since when, whether its CPU is busy) in TensorFlow's coordination-service
-key-value store when it changes, and stops this worker when another one reported a hang there. It
-reports a hang when a thread of this worker has been in the same call for S seconds while the
-process used almost no CPU (waiting, not computing or tracing) or while a peer has been out of any
-call that long, unless a peer is busy inside a call (still tracing or computing: progress, not a
-hang). Reporting writes the report to the store, prints it and every thread's Python stack, and
-exits with ``EXIT_HANG``; every other worker prints its own stack and exits with the same code at
-its next wake-up (worker 0, which holds the store, last).
+Heartbeats. One daemon thread per process wakes every S/10 seconds (1 to 10 s). At every wake-up it
+publishes this worker's state in TensorFlow's coordination-service key-value store (one small write:
+a heartbeat number one higher than the last, its current call or the last one it left and for how
+many seconds, whether its CPU was busy since the last wake-up) and reads each peer's. A reader
+judges a peer by its own monotonic clock: the time it last saw the peer's heartbeat number change.
+Clocks of different hosts are never compared; the seconds a state gives are durations.
+
+Hangs. A worker reports a hang when
+* a peer has sent no new heartbeat for S seconds (dead, or frozen: stopped, swapping, or in a C call
+  that holds Python's lock), whatever its last state said. A worker that exits publishes that it
+  did (atexit): it is gone, not silent;
+* a thread of this worker has been in one call for S seconds, waiting (CPU idle) or busy (spinning,
+  or computing one call longer than S), unless a peer is busy inside a call it has been in for less
+  than S (tracing or computing: progress). So a slow first step (tracing) is not a hang when it takes
+  less than S, and S must exceed the longest single call (``fit``: one call per ``steps_per_execution``).
+Reporting prints the report (what each worker was doing and how long ago its last heartbeat came)
+and every thread's Python stack, writes the report to the store and exits with ``EXIT_HANG``; every
+other worker prints its own stacks and exits with the same code at its next wake-up (worker 0, which
+holds the store, last); a reporter that has no peer left to leave with (all silent) exits at once.
+While the store does not answer (worker 0 frozen, or gone: a worker 0 that exited takes it along) a
+worker publishes nothing and hears no heartbeat; it reports the silence only once it has been in one
+call for S seconds itself, and exits at once.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import functools
 import json
 import os
@@ -151,16 +163,24 @@ def start(rank: int, size: int, timeout: float | None = None) -> bool:
     for hook in _on_start:
         hook()
     active = True
-    threading.Thread(target=_Watchdog(rank, size, timeout).run, name="tfdist-hang-watchdog", daemon=True).start()
+    watchdog = _Watchdog(rank, size, timeout)
+    atexit.register(watchdog.publish_exit)
+    threading.Thread(target=watchdog.run, name="tfdist-hang-watchdog", daemon=True).start()
     return True
 
 
 class _Watchdog:
+    """Publishes this worker's heartbeat, listens to its peers', and stops the job on a hang."""
+
     def __init__(self, rank: int, size: int, timeout: float):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.tick = min(10.0, max(1.0, timeout / 10))
-        self.cpu = collections.deque([(time.monotonic(), time.process_time())])  # (monotonic, CPU seconds)
-        self.published: tuple | None = None
+        self.cpu = (time.monotonic(), time.process_time())  # at the last wake-up
+        self.pid, self.beat, self.exited, self.lock = os.getpid(), 0, False, threading.Lock()
+        self.answered = True  # whether the store answered at the last wake-up
+        started = time.monotonic()
+        # rank -> (its last state, when this process saw its heartbeat number change)
+        self.heard: dict[int, tuple[dict | None, float]] = {r: (None, started) for r in range(size) if r != rank}
 
     def run(self) -> None:
         # Keys that exist from the start: reading one never leaves a call pending in the store.
@@ -176,85 +196,121 @@ class _Watchdog:
 
     def check(self) -> None:
         now, cpu = time.monotonic(), time.process_time()
-        self.cpu.append((now, cpu))
-        while len(self.cpu) > 2 and self.cpu[1][0] <= now - self.timeout:
-            self.cpu.popleft()
-        reported = kvstore.get(_PREFIX + "hang")
+        busy = (cpu - self.cpu[1]) / max(now - self.cpu[0], 1e-6) >= IDLE_CPU
+        self.cpu = (now, cpu)
+        reported = kvstore.get(_PREFIX + "hang")  # it always exists: None means the store did not answer
+        self.answered = reported is not None
         if reported:
             reported = json.loads(reported)
             self.stop(f"worker {reported['rank']} reported a hang:\n{reported['report']}", reporter=False)
-        previous = self.cpu[-2]
-        busy = (cpu - previous[1]) / max(now - previous[0], 1e-6) >= IDLE_CPU
         mark = _longest_call()
         state = self.state(mark, busy, now)
-        self.publish(state)
-        if mark is None or now - mark.since < self.timeout:
-            return
-        oldest = self.cpu[0]
-        idle = now - oldest[0] >= 0.9 * self.timeout and (cpu - oldest[1]) / (now - oldest[0]) < IDLE_CPU
-        peers = self.peers(state)
-        if any(p.get("what") and p.get("busy") for r, p in peers.items() if r != self.rank):
-            return  # a peer is still tracing or computing inside a call: progress
-        out_long = [r for r, p in peers.items() if not p.get("what") and time.time() - p["since"] >= self.timeout]
-        if idle or out_long:
-            self.stop(self.report(mark, peers, idle, now), reporter=True)
+        if self.answered:  # else a write would wait for the store for ever
+            self.publish(state)
+            self.listen(now)
+        long_call = mark is not None and now - mark.since >= self.timeout
+        gone = {r for r, (peer, _) in self.heard.items() if peer and peer["exited"]}
+        # Without the store, a silent worker 0 may have exited (taking its store along): only a worker in one call
+        # that long reports it.
+        silent = [r for r, (_, heard) in self.heard.items()
+                  if now - heard >= self.timeout and r not in gone and (self.answered or long_call)]
+        stuck = long_call and not any(
+            peer and peer["what"] and peer["busy"] and peer["for"] < self.timeout for peer, _ in self.heard.values())
+        if silent or stuck:
+            self.stop(self.report(state, silent, stuck, now), reporter=True,
+                      together=len(silent) + len(gone) < len(self.heard))
 
     def state(self, mark: "_Mark | None", busy: bool, now: float) -> dict:
+        """This worker's state to publish (without its heartbeat number)."""
         latest = mark or max(_marks, key=lambda m: m.since, default=None)
-        since = (latest.since if latest else _started_at)
+        since = latest.since if latest else _started_at
         return {"what": mark.describe() if mark else None, "last": latest.describe() if latest else "nothing yet",
-                "since": time.time() - (now - since), "busy": busy, "pid": os.getpid()}
+                "for": round(now - since, 1), "busy": busy, "pid": self.pid}
 
-    def publish(self, state: dict) -> None:
-        key = (state["what"], state["last"], state["busy"])
-        if key == self.published:
-            return
-        kvstore.put(f"{_PREFIX}state/{self.rank}", json.dumps(state))
-        self.published = key
+    def publish(self, state: dict, exited: bool = False) -> None:
+        """Writes ``state`` with the next heartbeat number; nothing once this worker published that it exited."""
+        with self.lock:
+            if self.exited:
+                return
+            self.beat, self.exited = self.beat + 1, exited
+            kvstore.put(f"{_PREFIX}state/{self.rank}", json.dumps({**state, "beat": self.beat, "exited": exited}))
 
-    def peers(self, mine: dict) -> dict[int, dict]:
-        found = {self.rank: mine}
-        for rank in range(self.size):
-            value = None if rank == self.rank else kvstore.get(f"{_PREFIX}state/{rank}")
-            if value is not None:
-                found[rank] = json.loads(value)
-        return found
+    def publish_exit(self) -> None:
+        """At the interpreter's exit (atexit): tells the peers this worker is gone, not frozen."""
+        if os.getpid() == self.pid and self.answered:  # not in a forked child, nor to a store that would not answer
+            self.publish(self.state(None, False, time.monotonic()), exited=True)
 
-    def report(self, mark: "_Mark", peers: dict[int, dict], idle: bool, now: float) -> str:
-        what = mark.describe()
-        reached = sorted(r for r, p in peers.items() if p.get("what") == what)
-        missing = sorted(set(range(self.size)) - set(reached))
-        why = "with its CPU idle" if idle else "while a peer was in no collective"
-        lines = [f"tfdist hang watchdog: worker {self.rank} has waited {now - mark.since:.0f} s (hang timeout "
-                 f"{self.timeout:g} s) in {what}, {why}. Stopping the job (exit code {EXIT_HANG}).",
-                 f"  reached it: worker(s) {reached}; not reached: worker(s) {missing}"]
-        for rank in range(self.size):
-            peer = peers.get(rank)
-            if peer is None:
-                lines.append(f"  worker {rank}: unknown (it published no state)")
-                continue
-            ago = time.time() - peer["since"]
-            where = (f"in {peer['what']} for {ago:.0f} s" if peer.get("what")
-                     else f"in no collective for {ago:.0f} s (last: {peer['last']})")
-            lines.append(f"  worker {rank} (pid {peer['pid']}): {where}{', CPU busy' if peer.get('busy') else ''}")
+    def listen(self, now: float) -> None:
+        """Reads every peer's state, noting ``now`` for each one whose heartbeat number changed."""
+        for rank, (last, _) in self.heard.items():
+            value = kvstore.get(f"{_PREFIX}state/{rank}")
+            peer = json.loads(value) if value else None
+            if peer is not None and (last is None or peer["beat"] != last["beat"]):
+                self.heard[rank] = (peer, now)
+
+    def report(self, mine: dict, silent: list[int], stuck: bool, now: float) -> str:
+        """Why this worker stops the job, then each worker's line (``mine``: this worker's state)."""
+        why = []
+        if silent:
+            why.append(f"worker(s) {silent} sent no heartbeat for {self.timeout:g} s or more (hang timeout "
+                       f"{self.timeout:g} s): dead, or frozen (stopped, swapping, in a C call holding Python's lock)")
+        if silent and not self.answered:
+            why.append("the store (in worker 0) does not answer: while worker 0 is frozen or gone, every worker looks "
+                       "silent")
+        if stuck:
+            cpu = "busy (spinning, or one call longer than the timeout)" if mine["busy"] else "idle (waiting)"
+            why.append(f"worker {self.rank} has been in {mine['what']} for {mine['for']:.0f} s (hang timeout "
+                       f"{self.timeout:g} s) with its CPU {cpu}, and no other worker is busy in a shorter call")
+        lines = [f"tfdist hang watchdog: {'; '.join(why)}. Stopping the job (exit code {EXIT_HANG})."]
+        if mine["what"]:
+            reached = {self.rank} | {r for r, (peer, _) in self.heard.items() if peer and peer["what"] == mine["what"]}
+            reached, missing = sorted(reached), sorted(set(range(self.size)) - reached)
+            lines.append(f"  {mine['what']}: reached by worker(s) {reached}; not by worker(s) {missing}")
+        lines += [f"  {self.describe(rank, mine, silent, now)}" for rank in range(self.size)]
         return "\n".join(lines)
 
-    def stop(self, report: str, reporter: bool) -> None:
-        """Publishes the report (``reporter``), prints it with this worker's stacks, and exits with EXIT_HANG."""
+    def describe(self, rank: int, mine: dict, silent: list[int], now: float) -> str:
+        """Worker ``rank``'s line in a report: what it was doing, and how long ago its last heartbeat came."""
+        if rank == self.rank:
+            return f"worker {rank} (pid {self.pid}): {_doing(mine)}"
+        peer, heard = self.heard[rank]
+        ago = now - heard
+        if peer is None:
+            return f"worker {rank}: silent for {ago:.0f} s; it published no state"
+        if peer["exited"]:
+            return f"worker {rank} (pid {peer['pid']}): exited (its last heartbeat came {ago:.0f} s ago)"
+        if rank in silent:
+            return f"worker {rank} (pid {peer['pid']}): silent for {ago:.0f} s; its last heartbeat said: {_doing(peer)}"
+        return f"worker {rank} (pid {peer['pid']}): {_doing(peer)}; its last heartbeat came {ago:.0f} s ago"
+
+    def stop(self, report: str, reporter: bool, together: bool = True) -> None:
+        """Prints the report with this worker's stacks, publishes it (``reporter``), and exits with EXIT_HANG.
+
+        ``together``: with the peers (``kvstore.leave_together``); False when none can leave (all silent or gone).
+        """
         deadline = 2 * self.tick + 10
         last_resort = threading.Timer(deadline + 5, os._exit, (EXIT_HANG,))  # whatever the store does
         last_resort.name, last_resort.daemon = "tfdist-hang-watchdog-exit", True
         last_resort.start()
         atexit.register(os._exit, EXIT_HANG)  # a main thread that fails meanwhile (a peer left) exits with it too
-        if reporter:
-            kvstore.put(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
         header = report if reporter else f"tfdist hang watchdog: stopping worker {self.rank}: {report}"
         sys.stderr.write(f"{header}\n{_stacks(self.rank)}"
                          f"Every worker prints its own stacks. {ENV} (tfdist run --hang-timeout) sets the timeout, "
                          "0 turns the watchdog off; see docs/troubleshooting.md.\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        if reporter and self.answered:  # else the store is frozen or gone: a write would wait for ever
+            kvstore.put(_PREFIX + "hang", json.dumps({"rank": self.rank, "report": report}))
+        if not (together and self.answered):
+            os._exit(EXIT_HANG)
         kvstore.leave_together(_PREFIX, self.rank, self.size, EXIT_HANG, deadline)
+
+
+def _doing(state: dict) -> str:
+    """What a published state says its worker was doing, for how long, and its CPU."""
+    where = (f"in {state['what']} for {state['for']:.0f} s" if state["what"]
+             else f"in no call for {state['for']:.0f} s (last: {state['last']})")
+    return f"{where}, CPU {'busy' if state['busy'] else 'idle'}"
 
 
 def _longest_call() -> "_Mark | None":
