@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -200,6 +201,58 @@ def test_a_replacement_that_comes_before_the_dead_node_is_noticed_waits_then_joi
     assert "lost its launcher (timed out waiting for the other side)" in master_output
     assert_every_step_once(tmp_path)
     assert nothing_left(tmp_path)
+
+
+def test_a_waiting_node_is_read_while_it_waits_and_noticed_when_it_dies(tmp_path):
+    """--nnodes 2:2 on 2 nodes, and two more that wait for a place. The master reads the waiting nodes' connections
+    (no ping of theirs is left unread), says when one of them is killed, and takes the other in after it waited
+    longer than SILENCE_SECONDS (30 s), when node 1 leaves: its worker runs and the job finishes."""
+    master = master_address()
+    worker = [sys.executable, str(WORKERS / "elastic_toy.py"), str(tmp_path), "300"]
+    command = node_command(None, "2:2", master, worker, timeout=240)
+    nodes = [start_node(command), start_node(command)]
+    try:
+        wait_for(lambda: trained_with(tmp_path, 2, 3), "3 steps on 2 nodes")
+        waiting, doomed = start_node(command), start_node(command)
+        nodes += [waiting, doomed]
+        began = time.monotonic()
+        time.sleep(5)  # both have arrived and wait
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(timeout=30)
+        time.sleep(max(0.0, began + 35 - time.monotonic()))
+        unread = _unread_at(int(master.rsplit(":", 1)[1]))
+        leaving = next(n for n in nodes if n.pid == next(r for r in rounds(tmp_path) if r["node"] == 1)["launcher"])
+        leaving.send_signal(signal.SIGTERM)
+        wait_for(lambda: any(r["launcher"] == waiting.pid for r in rounds(tmp_path)), "the waiting node's worker")
+    finally:
+        results = finish(nodes, timeout=200)
+    outputs = {n.pid: r for n, r in zip(nodes, results)}
+    assert unread == 0  # the waiting node's pings were read (before: about 52 bytes more every 2 s)
+    assert [outputs[n.pid].returncode for n in nodes if n not in (leaving, doomed)] == [0, 0], \
+        [r.output[-3000:] for r in results]
+    [master_output] = [r.output for r in results if "tfdist run [master]" in r.output]
+    assert master_output.count("waits: the job runs on its most nodes, 2 (--nnodes 2:2); it joins when one leaves") == 2
+    assert "a node at 127.0.0.1 that waited to join is gone (connection closed by the other side)" in master_output
+    assert "the job runs on its most nodes, 2 (--nnodes 2:2): waiting for one to leave" in outputs[waiting.pid].output
+    assert "all workers finished on 2 nodes" in outputs[waiting.pid].output
+    assert not any("signature check" in r.output for r in results)
+    assert [step for step, _ in steps(tmp_path)] == list(range(1, 301))
+    assert nothing_left(tmp_path)
+
+
+def _unread_at(port):
+    """The fewest bytes left unread, over 2 s, in the master's established connections (its side: local ``port``)."""
+    least = None
+    for _ in range(10):
+        unread = 0
+        with open("/proc/net/tcp") as table:
+            for line in list(table)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    unread = max(unread, int(fields[4].split(":")[1], 16))
+        least = unread if least is None else min(least, unread)
+        time.sleep(0.2)
+    return least
 
 
 def _parent(pid):

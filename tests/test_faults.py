@@ -1,5 +1,7 @@
 """Fault injection: a worker SIGKILLed mid-epoch stops the job fast, or a restart resumes it."""
 
+import re
+import socket
 import time
 
 import numpy as np
@@ -8,6 +10,7 @@ import tensorflow as tf
 
 from tests.jobs import run_job
 from tests.workers import common
+from tfdist.launch import local
 
 
 def test_killed_worker_stops_the_job_within_30s_naming_it(tmp_path):
@@ -130,3 +133,45 @@ def test_a_worker_that_never_joins_stops_the_job_after_the_start_timeout(tmp_pat
     assert ("worker(s) [0, 1] did not join the cluster within --start-timeout 3s; "
             "worker(s) [1] never reached tfdist.scope()/init()") in result.output
     assert time.monotonic() - started < 60
+
+
+def test_a_worker_whose_port_is_taken_is_retried_on_fresh_ports(tmp_path):
+    """Worker 1's TF_CONFIG port is held (SO_REUSEPORT set) when TensorFlow binds it: TensorFlow raises
+    "UnknownError: Could not start gRPC server", tfdist marks the worker "port-clash", and the launcher starts both
+    workers again on fresh ports (not counted against --max-restarts 0)."""
+    started = time.monotonic()
+    result = run_job("port_clash_job.py", tmp_path, "take", timeout=120)
+    assert result.returncode == 0, result.output[-3000:]
+    assert "UnknownError: Could not start gRPC server" in result.output
+    assert re.search(r"worker 1 exited with code 1: port 127\.0\.0\.1:\d+ was taken by another process before tfdist's "
+                     r"worker could listen there; retrying on fresh ports \(1/3\)", result.output), result.output
+    assert "[0] worker 0 joined 2 replicas" in result.output and "[1] worker 1 joined 2 replicas" in result.output
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "0", "1", "1"]
+    assert time.monotonic() - started < 90
+
+
+def test_a_taken_port_under_fixed_ports_ends_the_job_naming_it(tmp_path):
+    port, holder = _two_ports_the_second_held()
+    try:
+        result = run_job("port_clash_job.py", tmp_path, timeout=120, launcher_args=("--port", str(port)))
+    finally:
+        holder.close()
+    assert result.returncode == 1, result.output[-3000:]
+    assert (f"worker 1 exited with code 1: port 127.0.0.1:{port + 1} was taken by another process before tfdist's "
+            "worker could listen there (free it, or give another --port); stopped all workers (2 worker(s)") \
+        in result.output, result.output[-3000:]
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "1"]
+
+
+def _two_ports_the_second_held() -> tuple[int, socket.socket]:
+    """A free port P, and a listening socket on P+1 (127.0.0.1, no SO_REUSEADDR)."""
+    while True:
+        port = local.free_ports(1)[0]
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.1", port + 1))
+        except (OSError, OverflowError):  # taken, or past 65535
+            holder.close()
+            continue
+        holder.listen()
+        return port, holder

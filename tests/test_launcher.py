@@ -12,14 +12,15 @@ import time
 import pytest
 
 from tests.jobs import WORKERS, job_env
+from tfdist.launch import local
 
 LAUNCH_TIMEOUT = 60
 
 
-def launch(tmp_path, mode, *launcher_args, num_workers=2):
+def launch(tmp_path, mode, *launcher_args, num_workers=2, env=None):
     command = [sys.executable, "-m", "tfdist.run", "-n", str(num_workers), "--grace-period", "1",
                *launcher_args, "--", sys.executable, str(WORKERS / "toy_worker.py"), str(tmp_path), mode]
-    return subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    return subprocess.run(command, env=job_env(env), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
 
 
 def alive(pid: int) -> bool:
@@ -64,6 +65,7 @@ def test_workers_get_distinct_tf_configs_and_prefixed_output(tmp_path):
     assert len(set(addresses)) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
     assert [env["TFDIST_WORKER_INDEX"] for env in envs] == ["0", "1"]
     assert all(env["TFDIST_NUM_WORKERS"] == "2" and env["TFDIST_CPU_DEVICES"] == "2" for env in envs)
+    assert [env["TFDIST_GRACE_PERIOD"] for env in envs] == ["1", "1"]  # --grace-period, for tfdist.preemption
 
 
 def test_failed_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
@@ -73,6 +75,18 @@ def test_failed_worker_stops_the_others_and_sets_the_exit_code(tmp_path):
     assert time.monotonic() - started < 30
     assert "worker 1 exited with code 3; stopped all workers" in result.stdout
     assert not any(alive(pid) for pid in worker_pids(tmp_path))
+
+
+def test_a_scripts_own_address_in_use_is_not_a_port_clash(tmp_path):
+    """Two workers' own metrics servers on one fixed port: the second's "Address already in use" is the script's
+    failure, not tfdist's (only a worker's TensorFlow server failing to bind its TF_CONFIG port is retried)."""
+    port = local.free_ports(1)[0]
+    result = launch(tmp_path, "metrics_port", "--max-restarts", "0", env={"TOY_METRICS_PORT": str(port)})
+    assert "Address already in use" in result.stdout
+    assert result.returncode == 1, result.stdout
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "1"], result.stdout  # each started once
+    assert "exited with code 1; stopped all workers (2 worker(s)" in result.stdout
+    assert "fresh ports" not in result.stdout
 
 
 def test_worker_that_ignores_sigterm_is_killed(tmp_path):
@@ -259,6 +273,7 @@ def test_hosts_resolve_as_ssh_does(tmp_path):
     here = run("gpu1:2")  # this machine, by its ssh alias: started without ssh
     assert here.returncode == 0, here.stdout
     assert "node 0 (gpu1): 2 worker(s)" in here.stdout and "[1] hello from 1" in here.stdout
+    assert json.loads((tmp_path / "worker1.json").read_text())["TFDIST_GRACE_PERIOD"] == "25"  # the default
     nowhere = run("gpu2:1,no-such-host-either.invalid:1")
     assert nowhere.returncode == 2
     assert ("tfdist run [hosts]: cannot resolve 'gpu2' (HostName no-such-host.invalid): Name or service not known; "

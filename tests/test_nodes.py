@@ -45,6 +45,7 @@ def test_two_nodes_agree_on_every_worker_and_rank(tmp_path):
     assert [env["TFDIST_WORKER_INDEX"] for env in envs] == ["0", "1", "2", "3"]
     assert [env["TFDIST_LOCAL_RANK"] for env in envs] == ["0", "1", "0", "1"]
     assert all(env["TFDIST_NUM_WORKERS"] == "4" and env["TFDIST_LOCAL_SIZE"] == "2" for env in envs)
+    assert {env["TFDIST_GRACE_PERIOD"] for env in envs} == {"2"}  # node_command's --grace-period
 
 
 def test_host_address_picks_where_a_nodes_workers_are_reached(tmp_path):
@@ -76,6 +77,32 @@ def test_max_restarts_restarts_every_node_together(tmp_path):
         assert "restarting all workers on 2 nodes (1/1)" in result.output
         assert "all workers finished on 2 nodes after 1 restart(s)" in result.output
     assert {"pid1.0", "pid0.1", "pid1.1"} <= {p.name for p in tmp_path.glob("pid*")}
+
+
+def test_a_port_clash_on_one_node_retries_every_node_on_fresh_ports(tmp_path):
+    """Worker 1 marks "port-clash" (as tfdist does when TensorFlow cannot listen on its TF_CONFIG port): its node
+    tells the master, which starts every node again on fresh ports, not counted against --max-restarts (0)."""
+    results = two_nodes(tmp_path, "port_clash")
+    assert [r.returncode for r in results] == [0, 0], [r.output for r in results]
+    address = json.loads(json.loads((tmp_path / "worker1.json").read_text())["TF_CONFIG"])["cluster"]["worker"][1]
+    for result in results:  # worker1.json is the second attempt's: the first attempt's address differs
+        assert ("worker 1 on node 1 exited with code 1: port 127.0.0.1:" in result.output
+                and " was taken by another process before tfdist's worker could listen there; retrying on fresh "
+                    "ports (1/3)" in result.output), result.output
+        assert f"port {address} was taken" not in result.output
+        assert "all workers finished on 2 nodes\n" in result.output or "all workers finished on 2 nodes (" in result.output
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "0", "1", "1"]
+
+
+def test_a_port_clash_on_fixed_ports_ends_the_job_naming_the_port(tmp_path):
+    port = local.free_ports(1)[0]
+    results = two_nodes(tmp_path, "port_clash", "--port", str(port), "--max-restarts", "1")
+    assert [r.returncode for r in results] == [1, 1], [r.output for r in results]
+    for result in results:
+        assert (f"worker 1 on node 1 exited with code 1: port 127.0.0.1:{port} was taken by another process before "
+                "tfdist's worker could listen there (free it, or give another --port); stopped all workers on 2 "
+                "nodes") in result.output, result.output
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "1"]  # no restart on the same ports
 
 
 def test_a_stray_connection_cannot_join(tmp_path):

@@ -97,6 +97,7 @@ def test_run_ray_restarts_every_worker(ray_cluster, tmp_path):
     assert {"pid1.0", "pid0.1", "pid1.1"} <= started
     envs = [json.loads((tmp_path / f"worker{i}.json").read_text()) for i in (0, 1)]
     assert [e["TFDIST_LOCAL_RANK"] for e in envs] == ["0", "1"] and envs[0]["TFDIST_LOCAL_SIZE"] == "2"
+    assert [e["TFDIST_GRACE_PERIOD"] for e in envs] == ["1", "1"]  # --grace-period
 
 
 def test_run_ray_names_what_it_cannot_place(ray_cluster, tmp_path):

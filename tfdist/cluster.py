@@ -38,9 +38,10 @@ ENV_LAUNCHER_TF_CONFIG = "TFDIST_TF_CONFIG"
 ENV_NODE_RANK = "TFDIST_NODE_RANK"
 ENV_NUM_NODES = "TFDIST_NUM_NODES"
 # A directory where tfdist marks each worker "joining" and "joined" the cluster, so the
-# launcher can stop a job whose workers never all join (see ``mark_stage``).
+# launcher can stop a job whose workers never all join (see ``mark_stage``); and "port-clash"
+# when its TensorFlow server could not listen on its TF_CONFIG port (the launcher retries on fresh ports).
 ENV_STATUS_DIR = "TFDIST_STATUS_DIR"
-STAGES = ("joining", "joined")
+STAGES = ("joining", "joined", "port-clash")
 # A directory that lives as long as the launcher's job, across its restarts (``tfdist run``
 # creates and removes it): where ``tfdist.horovod.elastic`` keeps committed state.
 ENV_JOB_DIR = "TFDIST_JOB_DIR"

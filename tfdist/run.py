@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart all workers up to R times when one fails, or when a signal to one of them "
                              f"preempted the job (exit code {cluster.EXIT_PREEMPTED}: resumed from its backup)")
-    parser.add_argument("--grace-period", type=float, default=supervisor.DEFAULT_GRACE_SECONDS,
+    parser.add_argument("--grace-period", type=float, default=cluster.DEFAULT_GRACE_SECONDS,
                         help="seconds the workers get to stop after a signal (SIGTERM, SIGUSR1, SIGINT) to this "
                              "launcher: each stops at a step they all agree on, saves through the script's "
                              f"BackupAndRestore and exits {cluster.EXIT_PREEMPTED}, as this launcher then does; "

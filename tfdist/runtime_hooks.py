@@ -12,7 +12,8 @@ build their tf.data pipeline first. Two patches, installed when TensorFlow is im
 * ``tf.distribute.MultiWorkerMirroredStrategy(...)``: when the process already has one
   for the same cluster, the constructor returns it (no second collective context); the
   first one a script builds itself becomes tfdist's. Building one marks the worker
-  "joining"/"joined" for the launcher's start-up watchdog.
+  "joining"/"joined" for the launcher's start-up watchdog, or "port-clash" when TensorFlow's
+  server cannot listen on the worker's port (the launcher then retries on fresh ports).
 
 Each is a ``tfdist.patching.Patch`` whose guard checks the internal it replaces.
 
@@ -43,6 +44,10 @@ from tfdist.patching import Patch
 
 _Strategy = collective_all_reduce_strategy.CollectiveAllReduceStrategy
 _building = False
+# What TensorFlow 2.21 raises (UnknownError, from the constructor's context.ensure_initialized) when its gRPC server
+# cannot bind the port in TF_CONFIG, with or without SO_REUSEPORT on the holder's socket; its log says "Failed to add
+# port to server: No address added ...". tests/test_faults.py checks it still does.
+_SERVER_NOT_STARTED = "Could not start gRPC server"
 # Callers of __new__ that copy a strategy rather than ask for one.
 _COPYING = ("__deepcopy__", "__copy__", "__newobj__", "__newobj_ex__", "_reconstruct")
 
@@ -170,6 +175,10 @@ def _init_strategy(original, self, *args, **kwargs):
     building, _building = _building, True  # this strategy is the one; the runtime hook builds none
     try:
         original(self, *args, **kwargs)
+    except tf.errors.UnknownError as err:
+        if _SERVER_NOT_STARTED in str(err):
+            _mark_if_multi_worker("port-clash")  # for the launcher: a retry on fresh ports, not a failed script
+        raise
     finally:
         _building = building
     self._tfdist_ready = True

@@ -11,8 +11,10 @@ out_dir, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["TFDIST_WORKER_INDEX"])
 attempt = int(os.environ["TFDIST_RESTART"])
 (out_dir / f"pid{rank}.{attempt}").write_text(str(os.getpid()))
+with open(out_dir / "starts", "a") as starts:  # one line per start (pid files of an attempt overwrite each other)
+    starts.write(f"{rank}\n")
 names = ("TF_CONFIG", "TFDIST_WORKER_INDEX", "TFDIST_NUM_WORKERS", "TFDIST_LOCAL_RANK",
-         "TFDIST_LOCAL_SIZE", "TFDIST_CPU_DEVICES", "TFDIST_RESTART")
+         "TFDIST_LOCAL_SIZE", "TFDIST_CPU_DEVICES", "TFDIST_RESTART", "TFDIST_GRACE_PERIOD")
 (out_dir / f"worker{rank}.json").write_text(json.dumps({name: os.environ.get(name) for name in names}))
 print(f"hello from {rank}", flush=True)
 
@@ -32,6 +34,19 @@ if mode == "join_alone" and rank == 0:  # as tfdist does before the strategy wai
     from tfdist import cluster
 
     cluster.mark_stage("joining")
+if mode == "metrics_port":  # the script's own server on one fixed port: the second worker cannot bind it
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", int(os.environ["TOY_METRICS_PORT"])))  # OSError: [Errno 98] in the second worker
+    server.listen()
+if mode == "port_clash" and attempt == 0 and rank == 1:  # as tfdist does when TensorFlow cannot bind its port
+    from tfdist import cluster
+
+    cluster.mark_stage("port-clash")
+    sys.exit(1)
+if mode == "port_clash" and attempt > 0:
+    sys.exit(0)
 if mode == "ignore_term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as TensorFlow's preemption handler can
 time.sleep(120)

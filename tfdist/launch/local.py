@@ -16,9 +16,9 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.launch import lifeline, supervisor
-from tfdist.launch.supervisor import DEFAULT_GRACE_SECONDS, DEFAULT_START_TIMEOUT, WorkerSettings
+from tfdist.launch.supervisor import DEFAULT_START_TIMEOUT, WorkerSettings
 
-ENV_RESTART = "TFDIST_RESTART"
+ENV_RESTART = "TFDIST_RESTART"  # the job's attempt a worker belongs to: 0, and 1 more after each restart of any kind
 
 # The folder whose sitecustomize.py arms tfdist.startup in every worker (see site/).
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
@@ -75,6 +75,8 @@ def worker_env(addresses: Sequence[str], index: int, settings: WorkerSettings, r
         env[cluster.ENV_HOROVOD] = "1"
     if settings.hang_timeout is not None:
         env[cluster.ENV_HANG_TIMEOUT] = f"{settings.hang_timeout:g}"
+    if settings.grace_period is not None:
+        env[cluster.ENV_GRACE_PERIOD] = f"{settings.grace_period:g}"
     if settings.hide_tf_logs:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if settings.fixes:
@@ -99,7 +101,7 @@ class ThisMachine:
 
 def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = WorkerSettings(),
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
+           grace_period: float = cluster.DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None) -> int:
     """Runs the job's ``num_workers`` workers on this machine (``supervisor.launch``); returns the exit code."""
     return supervisor.launch(command, num_workers, settings, base_port, timeout, max_restarts, grace_period,

@@ -15,8 +15,10 @@ address only, and only for tfdist launchers that prove they know the job's token
 
 Ranks follow node ranks: node 0's workers first. A node without a rank of its own is
 numbered in arrival order after those that have one (the master's own node is 0). A worker
-that fails anywhere stops the job everywhere; restarts and their count are decided here, for
-all nodes together.
+that fails anywhere stops the job everywhere; once every node's workers stopped, the master
+asks ``launch.policy`` (as ``supervisor.launch`` does) whether to restart, on fresh ports (a
+node's "over" names the addresses where a worker's TensorFlow server could not listen), or to
+end the job, for all nodes together.
 
 An elastic job (``--nnodes MIN:MAX``) starts once MIN nodes are there (after ``rdzv_wait``
 seconds for more, up to MAX). Its membership changes between rounds: a node that arrives
@@ -24,7 +26,9 @@ while the workers run, or one that is lost or leaves, makes the master stop ever
 workers (SIGTERM: they save and exit) and start a new round with the new set of nodes,
 renumbered. Such a change does not count against ``max_restarts``; a worker's failure in a
 round without one does. With fewer than MIN nodes left the master waits ``start_timeout``
-for more, then ends the job.
+for more, then ends the job. A node that arrives when MAX nodes are there waits (standby)
+until one leaves; the master reads its connection meanwhile, as every connection it holds
+(its pings, or its loss: a standby node that dies is dropped, and said so).
 
 Whoever else connects cannot stall it: at most ``MAX_HANDSHAKES`` connections wait for
 their handshake at once (``HANDSHAKE_SECONDS`` each, in all; more are closed at once),
@@ -45,13 +49,11 @@ import time
 from typing import Callable
 
 from tfdist.errors import MasterError
-from tfdist.launch import wire
+from tfdist.launch import policy, wire
 
-EXIT_TIMEOUT = 124
 EXIT_BAD_SETUP = 2
 PING_SECONDS = 2.0
 SILENCE_SECONDS = 30.0  # a launcher that sends nothing (not even a ping) this long is lost
-_PORT_CLASH_RETRIES = 3
 _ACK_SECONDS = 30.0  # beyond the grace period, for a node to report its workers stopped
 MAX_HANDSHAKES = 32  # connections waiting for their handshake at once
 HANDSHAKE_SECONDS = 5.0  # for a connection to prove it knows the token
@@ -77,13 +79,6 @@ class _Node:
         return f"node {self.rank} ({self.describe()})" if self.rank is not None else f"a node at {self.describe()}"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Failure:
-    message: str
-    exit_code: int
-    restartable: bool
-
-
 class Master:
     """Coordinates the nodes of one job; ``start`` listens, ``close`` waits for the verdict to go out."""
 
@@ -96,27 +91,28 @@ class Master:
         self.spec = f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(nnodes)
         self.nnodes = self.max_nodes  # the node count of the current (or next) round
         self.address, self.token, self.rdzv_wait = address, token, rdzv_wait
-        self.arrivals = 0  # keys self.nodes: one per node that joined
+        self.arrivals = 0  # keys self.nodes and self.standby: one per launcher that proved it knows the token
         self.change: str | None = None  # why the membership changes at the end of this round
         self.quorum_at: float | None = None  # when MIN nodes were first there (elastic)
-        self.start_timeout, self.max_restarts, self.fixed_ports = start_timeout, max_restarts, fixed_ports
-        self.grace_period, self.say = grace_period, say
+        self.start_timeout, self.grace_period, self.say = start_timeout, grace_period, say
+        self.policy = policy.RestartPolicy(max_restarts, fixed_ports)
         self.events: queue.Queue = queue.Queue()
         self.nodes: dict[int, _Node] = {}
         self.refusals: collections.Counter = collections.Counter()  # (peer, reason) -> count
         self.refusals_said, self.refusals_said_at = 0, 0.0
         self.handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self.closing = False
-        self.attempt = self.restarts = self.port_retries = 0
+        self.attempt = 0
         self.phase = "gather"  # gather -> running -> stopping -> (gather | ended)
         self.deadline = 0.0
-        self.failure: _Failure | None = None
-        self.port_clash = False
+        self.failure: policy.Failure | None = None
+        self.port_clash: list[str] = []  # this round's addresses where a worker's TensorFlow server could not listen
         self.round_began = 0.0
         self.listener: socket.socket | None = None
         self.thread: threading.Thread | None = None
         self.turned_away: list[wire.Channel] = []  # told to go (half-closed); closed with the master
-        self.standby: list[tuple[wire.Channel, dict, str]] = []  # elastic, at MAX: taken in when a node leaves
+        # (key, channel, hello, peer) of the nodes that wait at MAX (elastic), admitted as nodes leave
+        self.standby: list[tuple[int, wire.Channel, dict, str]] = []
         self.verdict: dict | None = None  # the "end" message, once the job has ended
         self.finished = False  # the coordinator has left: handshake threads answer late nodes themselves
         self.finishing = threading.Lock()
@@ -167,7 +163,7 @@ class Master:
         if self.listener is not None:
             self.listener.close()
         for channel in [node.channel for node in self.nodes.values()] + self.turned_away + \
-                [waiting[0] for waiting in self.standby]:
+                [waiting[1] for waiting in self.standby]:
             channel.close()
 
     # Threads feeding self.events -------------------------------------------------------
@@ -241,7 +237,7 @@ class Master:
                 last_ping = time.monotonic()
                 self._broadcast({"type": "ping"})
                 for waiting in self.standby:
-                    self._send(waiting[0], {"type": "ping"})
+                    self._send(waiting[1], {"type": "ping"})
             if self.phase == "gather":
                 self._plan_if_ready()
             self._check_deadline()
@@ -271,15 +267,22 @@ class Master:
         return ", ".join(common) + (f", and {len(self.refusals) - 3} other kind(s)" if len(self.refusals) > 3 else "")
 
     def _on_hello(self, channel: wire.Channel, hello: dict, peer: str) -> None:
-        rank, nnodes = hello.get("node_rank"), hello.get("nnodes")
-        hostname, host = str(hello.get("hostname", peer)), str(hello.get("host", peer))
-        nnodes = f"{nnodes[0]}:{nnodes[1]}" if isinstance(nnodes, list) and len(nnodes) == 2 else str(nnodes)
+        """A launcher that proved it knows the token: read from now on, as every connection held; then admitted."""
         if self.verdict is not None:
             self._tell_the_verdict(channel)
             return
+        key, self.arrivals = self.arrivals, self.arrivals + 1
+        threading.Thread(target=self._read, args=(key, channel), daemon=True).start()
+        self._admit(key, channel, hello, peer)
+
+    def _admit(self, key: int, channel: wire.Channel, hello: dict, peer: str) -> None:
+        """Takes the node in as ``self.nodes[key]``, or keeps it waiting (standby), or turns it away."""
+        rank, nnodes = hello.get("node_rank"), hello.get("nnodes")
+        hostname, host = str(hello.get("hostname", peer)), str(hello.get("host", peer))
+        nnodes = f"{nnodes[0]}:{nnodes[1]}" if isinstance(nnodes, list) and len(nnodes) == 2 else str(nnodes)
         started = self.phase != "gather" or self.attempt > 0
         if started and self.elastic and len(self.nodes) >= self.max_nodes:
-            self.standby.append((channel, hello, peer))  # a recreated node whose old self is not noticed gone yet
+            self.standby.append((key, channel, hello, peer))  # a recreated node whose old self is not gone yet
             self.say(f"a node at {host} waits: the job runs on its most nodes, {self.max_nodes} (--nnodes "
                      f"{self.spec}); it joins when one leaves")
             self._send(channel, {"type": "wait", "reason": f"the job runs on its most nodes, {self.max_nodes} "
@@ -287,11 +290,9 @@ class Master:
             return
         if started and not self.elastic:
             holder = next((n for n in self.nodes.values() if n.rank == rank), None) if isinstance(rank, int) else None
-            self._turn_away_with(channel, EXIT_BAD_SETUP, (
-                f"this job is already running on all {self.nnodes} nodes" if not self.elastic else
-                f"this job already runs on its most nodes, {self.max_nodes} (--nnodes {self.spec})")
-                + (f"; node rank {rank} is {holder.describe()}" if holder else "")
-                + ": start a new job, or stop this one first")
+            self._turn_away_with(channel, EXIT_BAD_SETUP, f"this job is already running on all {self.nnodes} nodes"
+                                 + (f"; node rank {rank} is {holder.describe()}" if holder else "")
+                                 + ": start a new job, or stop this one first")
             return
         fits = rank is None or (isinstance(rank, int) and 0 <= rank < self.max_nodes)
         if nnodes != self.spec or not fits:
@@ -309,10 +310,8 @@ class Master:
                         f"{_Node(rank, channel, host, hostname, None).describe()}; give each node its own "
                         f"--node-rank in 0..{self.nnodes - 1}", extra=[channel])
             return
-        key, self.arrivals = self.arrivals, self.arrivals + 1
         node = self.nodes[key] = _Node(rank, channel, host, hostname, [int(p) for p in hello.get("ports", [])],
                                        asked=rank, over=self.phase != "gather")  # no workers in this round
-        threading.Thread(target=self._read, args=(key, channel), daemon=True).start()
         self.say(f"{node.name()} arrived ({len(self.nodes)}/{self.spec} nodes)")
         if self.elastic and len(self.nodes) >= self.min_nodes and self.quorum_at is None:
             self.quorum_at = time.monotonic()
@@ -333,18 +332,24 @@ class Master:
         if kind == "ports" and self.phase == "gather":
             node.ports = [int(p) for p in message["ports"]]
         elif kind == "failed":
-            self._fail(_Failure(message["message"], int(message["exit_code"]), bool(message["restartable"])))
+            self._fail(policy.Failure(message["message"], int(message["exit_code"]), bool(message["restartable"])))
         elif kind == "over" and self.elastic and message.get("leaving"):
             self._leave(key, (message.get("failure") or {}).get("message", "it left"))
         elif kind == "over" and self.phase in ("running", "stopping"):
             node.over = True
-            self.port_clash |= bool(message.get("port_clash"))
+            if isinstance(message.get("port_clash"), list):
+                self.port_clash += [str(address) for address in message["port_clash"]]
             if message.get("failure"):
                 failure = message["failure"]
-                self._fail(_Failure(failure["message"], int(failure["exit_code"]), bool(failure["restartable"])))
+                self._fail(policy.Failure(failure["message"], int(failure["exit_code"]), bool(failure["restartable"])))
             self._finish_round_if_over()
 
     def _on_lost(self, key: int, channel: wire.Channel, reason: str) -> None:
+        waiting = next((w for w in self.standby if w[0] == key), None)
+        if waiting is not None:
+            self.standby.remove(waiting)
+            self.say(f"a node at {waiting[2].get('host', waiting[3])} that waited to join is gone ({reason})")
+            return
         node = self.nodes.get(key)
         if node is None or node.channel is not channel:
             return
@@ -356,7 +361,7 @@ class Master:
         if self.elastic:
             self._leave(key, f"lost its launcher ({reason})")
             return
-        lost = _Failure(f"lost node {node.rank}'s launcher ({node.describe()}: {reason})", 1, False)
+        lost = policy.Failure(f"lost node {node.rank}'s launcher ({node.describe()}: {reason})", 1, False)
         if self.phase == "gather":  # between attempts: no workers run anywhere
             self._end(lost.exit_code, f"{lost.message}; stopped all workers on {self.nnodes} nodes")
             return
@@ -374,7 +379,7 @@ class Master:
             self._change(f"{node.name()} left; restarting every node's workers with {_nodes(len(self.nodes))}")
             self._finish_round_if_over()
         if self.standby and self.verdict is None:
-            self._on_hello(*self.standby.pop(0))
+            self._admit(*self.standby.pop(0))
 
     def _change(self, reason: str) -> None:
         """Stops the round for a change of members (not a failure: no restart is counted)."""
@@ -409,7 +414,7 @@ class Master:
             self.say(f"starting {len(addresses)} workers on {count} nodes")
         self.phase, self.round_began = "running", time.monotonic()
 
-    def _fail(self, failure: _Failure) -> None:
+    def _fail(self, failure: policy.Failure) -> None:
         if self.failure is not None or self.phase not in ("running", "stopping"):
             return
         self.failure, self.phase = failure, "stopping"
@@ -419,35 +424,22 @@ class Master:
     def _finish_round_if_over(self) -> None:
         if not all(node.over for node in self.nodes.values()):
             return
-        failure, nodes = self.failure, f"{self.nnodes} nodes"
-        if self.change is not None and (failure is None or failure.restartable):
-            self._restart(self.change, counted=False)  # a failure in this round came with the change of members
-        elif failure is None:
-            self._end(0, f"all workers finished on {nodes}" + self._after_restarts())
-        elif not failure.restartable or any(node.lost for node in self.nodes.values()):
-            self._end(failure.exit_code, f"{failure.message}; stopped all workers on {nodes}" + self._after_restarts())
-        elif self.port_clash and not self.fixed_ports and self.port_retries < _PORT_CLASH_RETRIES:
-            self.port_retries += 1
-            self._restart(f"a port was taken before the workers bound it; retrying on fresh ports "
-                          f"({self.port_retries}/{_PORT_CLASH_RETRIES})")
-        elif self.restarts < self.max_restarts:
-            self.restarts += 1
-            self._restart(f"{failure.message} after {time.monotonic() - self.round_began:.1f}s; "
-                          f"restarting all workers on {nodes} ({self.restarts}/{self.max_restarts})")
+        verdict = self.policy.decide(policy.Outcome(
+            self.failure, time.monotonic() - self.round_began, self.port_clash, self.change,
+            nodes_lost=any(node.lost for node in self.nodes.values())), where=f" on {self.nnodes} nodes")
+        if verdict.exit_code is None:
+            self._restart(verdict.message)
         else:
-            self._end(failure.exit_code, f"{failure.message}; stopped all workers on {nodes}" + self._after_restarts())
+            self._end(verdict.exit_code, verdict.message)
 
-    def _after_restarts(self) -> str:
-        return f" after {self.restarts} restart(s)" if self.restarts else ""
-
-    def _restart(self, reason: str, counted: bool = True) -> None:
+    def _restart(self, reason: str) -> None:
         self.attempt += 1
-        self.failure, self.change, self.port_clash, self.phase = None, None, False, "gather"
+        self.failure, self.change, self.port_clash, self.phase = None, None, [], "gather"
         self.deadline = time.monotonic() + self.start_timeout
         for node in self.nodes.values():
             node.over, node.ports = False, None
         self._broadcast({"type": "restart", "attempt": self.attempt, "reason": reason})
-        if not counted and len(self.nodes) < self.min_nodes:
+        if len(self.nodes) < self.min_nodes:  # after a change of members
             self.say(f"{len(self.nodes)} node(s) left, fewer than --nnodes {self.spec} allows: waiting up to "
                      f"--start-timeout {self.start_timeout:g}s for {self.min_nodes - len(self.nodes)} more")
 
@@ -456,26 +448,27 @@ class Master:
             return
         if self.phase == "stopping":
             late = sorted(node.rank for node in self.nodes.values() if not node.over)
-            why = self.failure or _Failure(self.change, 1, False)
+            why = self.failure or policy.Failure(self.change, 1, False)
             self._end(why.exit_code, f"{why.message}; node(s) {late} did not report their "
                       f"workers stopped within {self.grace_period + _ACK_SECONDS:g}s")
             return
         refused = f"; refused {sum(self.refusals.values())} connection(s): {self._refused()}" if self.refusals else ""
         if self.elastic and len(self.nodes) < self.min_nodes:
-            self._end(EXIT_TIMEOUT, f"only {len(self.nodes)} node(s) within --start-timeout {self.start_timeout:g}s, "
-                      f"fewer than --nnodes {self.spec} needs{refused}; stopped all workers (start more nodes with the "
-                      f"same --master and token, or lower MIN)")
+            self._end(policy.EXIT_TIMEOUT, f"only {len(self.nodes)} node(s) within --start-timeout "
+                      f"{self.start_timeout:g}s, fewer than --nnodes {self.spec} needs{refused}; stopped all workers "
+                      f"(start more nodes with the same --master and token, or lower MIN)")
             return
         if self.attempt > 0:
             missing = sorted(n.rank for n in self.nodes.values() if n.ports is None)
-            self._end(EXIT_TIMEOUT, f"node(s) {missing} did not restart within --start-timeout {self.start_timeout:g}s")
+            self._end(policy.EXIT_TIMEOUT,
+                      f"node(s) {missing} did not restart within --start-timeout {self.start_timeout:g}s")
             return
         asked = {n.asked for n in self.nodes.values()}
         missing = sorted(set(range(self.nnodes)) - asked) if None not in asked else \
             f"{self.nnodes - len(self.nodes)} of {self.nnodes}"
-        self._end(EXIT_TIMEOUT, f"node(s) {missing} did not arrive at the master {self.where} within --start-timeout "
-                  f"{self.start_timeout:g}s{refused} (start the same tfdist run command on every node, each with its "
-                  f"own --node-rank, and the same token)")
+        self._end(policy.EXIT_TIMEOUT, f"node(s) {missing} did not arrive at the master {self.where} within "
+                  f"--start-timeout {self.start_timeout:g}s{refused} (start the same tfdist run command on every node, "
+                  f"each with its own --node-rank, and the same token)")
 
     def _abort(self, message: str, extra: list[wire.Channel]) -> None:
         for channel in extra:
@@ -492,7 +485,7 @@ class Master:
         self.verdict = {"type": "end", "exit_code": exit_code, "message": message}
         self._broadcast(self.verdict)
         for waiting in self.standby:
-            self._tell_the_verdict(waiting[0])
+            self._tell_the_verdict(waiting[1])
 
     def _tell_the_verdict(self, channel: wire.Channel) -> None:
         self._send(channel, self.verdict)

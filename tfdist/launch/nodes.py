@@ -32,7 +32,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster
 from tfdist.errors import NodeError
-from tfdist.launch import lifeline, local, master as master_lib, output, supervisor, wire
+from tfdist.launch import lifeline, local, master as master_lib, output, policy, supervisor, wire
 
 ENV_TOKEN = "TFDIST_TOKEN"
 DEFAULT_RDZV_WAIT = 5.0  # seconds an elastic job waits for more nodes once MIN arrived
@@ -52,7 +52,7 @@ def launch(command: Sequence[str], *, nnodes: int | tuple[int, int], node_rank: 
            token: str, rdzv_wait: float = DEFAULT_RDZV_WAIT,
            num_workers: int = 1, settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
            host_address: str | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = 5.0, start_timeout: float = supervisor.DEFAULT_START_TIMEOUT,
+           grace_period: float = cluster.DEFAULT_GRACE_SECONDS, start_timeout: float = supervisor.DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None, serve_master: bool = True) -> int:
     """Runs this node's share of a multi-node job (and, on node 0, the master); returns the exit code.
 
@@ -61,7 +61,7 @@ def launch(command: Sequence[str], *, nnodes: int | tuple[int, int], node_rank: 
     ``serve_master=False``: the master runs elsewhere (``tfdist run -H``'s own launcher, ``launch/ssh.py``).
     """
     out = out or sys.stdout.buffer
-    settings, made_job_dir = supervisor.with_job_dir(settings)  # node 0's keeps rank 0's hvd.elastic commits
+    settings, made_job_dir = supervisor.job_settings(settings, grace_period)  # node 0's: rank 0's hvd.elastic commits
     previous_handlers = lifeline.stop_on_signals()
     coordinator, exit_code, reason = None, 1, "node 0's launcher stopped"
     node = _Node(command, nnodes, node_rank, master, token, num_workers, settings, base_port, host_address,
@@ -232,10 +232,11 @@ class _Node:
         except wire.WireError:
             pass  # the reader reports the loss
 
-    def _report_over(self, failure: dict | None, port_clash: bool = False, leaving: bool = False) -> None:
-        """``leaving``: this node's launcher stops (a signal); an elastic job goes on without it."""
+    def _report_over(self, failure: dict | None, port_clash: Sequence[str] = (), leaving: bool = False) -> None:
+        """``port_clash``: where this node's workers could not listen; ``leaving``: this node's launcher stops (a
+        signal), an elastic job goes on without it."""
         if self.channel is not None:
-            self._send({"type": "over", "attempt": self.attempt, "failure": failure, "port_clash": port_clash,
+            self._send({"type": "over", "attempt": self.attempt, "failure": failure, "port_clash": list(port_clash),
                         "leaving": leaving})
 
     # One round -------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class _Node:
             if stop.exit_code in (*(128 + sig for sig in lifeline.SIGNALS), cluster.EXIT_PREEMPTED):
                 raise  # a signal (its workers saved, or not): run() reports it and leaves
             failure = {"message": f"node {self.node_rank}: {stop}", "exit_code": stop.exit_code, "restartable": False}
-        self._report_over(failure, port_clash=any(w.saw_port_clash for w in self.workers))
+        self._report_over(failure, port_clash=supervisor.port_clashes(self.workers, addresses))
 
     # What local.run_here asks of a node (see its ``node`` argument) ------------------------
 
@@ -292,7 +293,7 @@ class _Retrying:
             raise NodeError(
                 f"the master {node.where} did not answer within --start-timeout {node.start_timeout:g}s ({why}): "
                 "start node 0 with the same --master (it listens there), check that this node can reach that "
-                "address, and start every node within --start-timeout of node 0", master_lib.EXIT_TIMEOUT)
+                "address, and start every node within --start-timeout of node 0", policy.EXIT_TIMEOUT)
         if self.said_at is None or time.monotonic() - self.said_at > _RETRY_SAY_SECONDS:
             self.said_at = time.monotonic()
             node.say(f"cannot reach the master at {node.where} yet ({why}); retrying for {self.left():.0f}s more "

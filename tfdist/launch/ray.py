@@ -31,7 +31,7 @@ from typing import IO, Sequence
 
 from tfdist import cluster, extras
 from tfdist.errors import RayLaunchError
-from tfdist.launch import lifeline, local, output, supervisor
+from tfdist.launch import lifeline, local, output, policy, supervisor
 
 EXIT_NO_RAY = 2
 _POLL_SECONDS = 0.5
@@ -202,7 +202,7 @@ class _RayHosts:
 
 def launch(command: Sequence[str], *, address: str | None, num_workers: int,
            settings: supervisor.WorkerSettings = supervisor.WorkerSettings(), base_port: int | None = None,
-           timeout: float | None = None, max_restarts: int = 0, grace_period: float = 5.0,
+           timeout: float | None = None, max_restarts: int = 0, grace_period: float = cluster.DEFAULT_GRACE_SECONDS,
            start_timeout: float = supervisor.DEFAULT_START_TIMEOUT, cpus_per_worker: float | None = None,
            gpus_per_worker: float | None = None, out: IO[bytes] | None = None) -> int:
     """Runs the job on Ray (the cluster at ``address``, or Ray's default); returns the exit code."""
@@ -229,7 +229,7 @@ def launch(command: Sequence[str], *, address: str | None, num_workers: int,
                             start_timeout, out, hosts=hosts)
     except RayLaunchError as err:
         output.say(out, str(err))
-        return supervisor.EXIT_TIMEOUT
+        return policy.EXIT_TIMEOUT
     finally:
         if hosts is not None:
             hosts.close()

@@ -87,7 +87,8 @@ class _Host:
 
 
 def launch(command: Sequence[str], hosts: Sequence[tuple[str, int]], *, node_args: Sequence[str],
-           ssh: SshOptions = SshOptions(), max_restarts: int = 0, grace_period: float = 5.0,
+           ssh: SshOptions = SshOptions(), max_restarts: int = 0,
+           grace_period: float = cluster.DEFAULT_GRACE_SECONDS,
            start_timeout: float = supervisor.DEFAULT_START_TIMEOUT, fixed_ports: bool = False,
            env: dict[str, str] | None = None, out: IO[bytes] | None = None) -> int:
     """Starts ``hosts`` ((host, workers) in rank order) and coordinates them; returns the exit code.

@@ -1,13 +1,15 @@
 """The supervisor every launcher uses: start a job's workers, watch them, stop them all.
 
 When one worker fails, every other worker is stopped (SIGTERM, then SIGKILL after at most
-``FAILURE_GRACE_SECONDS``: the job's collectives are broken) and ``launch`` exits with the failed
-worker's code, or restarts the whole job on fresh ports when ``max_restarts`` allows. A signal
+``FAILURE_GRACE_SECONDS``: the job's collectives are broken), and ``launch.policy`` decides what
+follows: ``launch`` exits with the failed worker's code, or restarts the whole job on fresh ports
+when ``max_restarts`` allows (uncounted when a worker's TensorFlow server could not bind its port). A signal
 to the launcher is forwarded (SIGTERM) to every worker, which then stop at one agreed step,
 save and exit ``cluster.EXIT_PREEMPTED`` (``tfdist.preemption``) within the grace period
 (SIGKILL after it); the launcher then exits EXIT_PREEMPTED too. Workers that exit
 EXIT_PREEMPTED on their own (a signal reached one of them) restart under ``max_restarts``. A start-up watchdog stops a job whose workers do not all join the cluster in time.
-The job ends with one summary line. Never imports TensorFlow.
+Every worker is told the grace period (``cluster.ENV_GRACE_PERIOD``). The job ends with one
+summary line. Never imports TensorFlow.
 
 Where the workers of an attempt run is the ``hosts`` seam of ``launch``: this machine
 (``launch/local.py``), Ray actors (``launch/ray.py``); ``launch/nodes.py`` runs one node's
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import shutil
 import signal
@@ -29,16 +32,11 @@ import time
 from typing import IO, Sequence
 
 from tfdist import cluster
-from tfdist.launch import lifeline, output
+from tfdist.launch import lifeline, output, policy
 from tfdist.launch.lifeline import Stop
 
-EXIT_TIMEOUT = 124
 DEFAULT_START_TIMEOUT = 300.0
-EXIT_INTERRUPTED = 130
-_PORT_CLASH = b"address already in use"
-_PORT_CLASH_RETRIES = 3
 _POLL_SECONDS = 0.05
-DEFAULT_GRACE_SECONDS = 25.0  # inside Kubernetes' default 30 s between SIGTERM and SIGKILL
 FAILURE_GRACE_SECONDS = 5.0
 
 
@@ -58,6 +56,7 @@ class WorkerSettings:
         job_dir: a directory that outlives restarts (``cluster.ENV_JOB_DIR``; ``launch`` makes
             one per job unless the environment names it).
         hang_timeout: ``cluster.ENV_HANG_TIMEOUT`` for every worker (``--hang-timeout``; None: as set here).
+        grace_period: ``cluster.ENV_GRACE_PERIOD`` for every worker (``job_settings`` sets the launcher's).
     """
 
     cpu_devices: int | None = None
@@ -66,6 +65,7 @@ class WorkerSettings:
     horovod: bool = False
     job_dir: str | None = None
     hang_timeout: float | None = None
+    grace_period: float | None = None
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ class Worker:
     index: int
     process: subprocess.Popen
     reader: threading.Thread | None = None
-    saw_port_clash: bool = False
+    port_clash: bool = False  # its TensorFlow server could not listen on its port (it marked "port-clash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,9 +102,9 @@ def describe_exit(returncode: int) -> str:
 
 def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = WorkerSettings(),
            base_port: int | None = None, timeout: float | None = None, max_restarts: int = 0,
-           grace_period: float = DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
+           grace_period: float = cluster.DEFAULT_GRACE_SECONDS, start_timeout: float = DEFAULT_START_TIMEOUT,
            out: IO[bytes] | None = None, *, hosts) -> int:
-    """Runs the job, restarting it up to ``max_restarts`` times; returns the exit code.
+    """Runs the job, restarting it as ``launch.policy`` decides (``max_restarts``); returns the exit code.
 
     ``hosts`` says where each attempt's workers run: ``addresses(num_workers, base_port)``
     and ``run(...)``, as ``launch.local.ThisMachine`` has them.
@@ -112,38 +112,26 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
     out = out or sys.stdout.buffer
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
-    restarts = port_retries = 0
+    rules = policy.RestartPolicy(max_restarts, fixed_ports=base_port is not None)
     workers: list[Worker] = []
-    settings, made_job_dir = with_job_dir(settings)
+    settings, made_job_dir = job_settings(settings, grace_period)
     previous_handlers = lifeline.stop_on_signals()
     try:
-        while True:
+        for attempt in itertools.count():
             addresses = hosts.addresses(num_workers, base_port)
             started = time.monotonic()
             workers = []
-            failure = hosts.run(workers, command, addresses, settings, restarts, deadline,
+            failure = hosts.run(workers, command, addresses, settings, attempt, deadline,
                                 grace_period, start_timeout, out)
-            if failure is None:
-                output.say(out, f"{summary(workers, began)}; all workers finished"
-                                + (f" after {restarts} restart(s)" if restarts else ""))
-                return 0
-            if any(w.saw_port_clash for w in workers) and base_port is None and port_retries < _PORT_CLASH_RETRIES:
-                port_retries += 1
-                output.say(out, f"a port was taken before the workers bound it; retrying on fresh ports "
-                                f"({port_retries}/{_PORT_CLASH_RETRIES})")
+            verdict = rules.decide(policy.Outcome(
+                None if failure is None else policy.Failure(failure.describe(), failure.exit_code),
+                time.monotonic() - started, port_clashes(workers, addresses)))
+            if verdict.exit_code is None:
+                output.say(out, verdict.message)
                 continue
-            if restarts >= max_restarts and failure.returncode == cluster.EXIT_PREEMPTED:
-                output.say(out, f"{failure.describe()}; the job was preempted and saved: run the same command to "
-                                f"resume it (exit code {cluster.EXIT_PREEMPTED}; {summary(workers, began)})")
-                return failure.exit_code
-            if restarts >= max_restarts:
-                output.say(out, f"{failure.describe()}; stopped all workers"
-                                + (f" after {restarts} restart(s)" if restarts else "")
-                                + f" ({summary(workers, began)})")
-                return failure.exit_code
-            restarts += 1
-            output.say(out, f"{failure.describe()} after {time.monotonic() - started:.1f}s; "
-                            f"restarting all workers ({restarts}/{max_restarts})")
+            output.say(out, f"{summary(workers, began)}; {verdict.message}" if verdict.exit_code == 0 else
+                       f"{verdict.message} ({summary(workers, began)})")
+            return verdict.exit_code
     except Stop as stop:
         output.say(out, f"{stop}; stopped all workers ({summary(workers, began)})")
         return stop.exit_code
@@ -153,14 +141,20 @@ def launch(command: Sequence[str], num_workers: int, settings: WorkerSettings = 
             shutil.rmtree(made_job_dir, ignore_errors=True)
 
 
-def with_job_dir(settings: WorkerSettings) -> tuple[WorkerSettings, str | None]:
-    """``settings`` with the job directory that outlives restarts: ``TFDIST_JOB_DIR``, else a new one.
+def job_settings(settings: WorkerSettings, grace_period: float) -> tuple[WorkerSettings, str | None]:
+    """``settings`` with the grace period and the job directory that outlives restarts (``TFDIST_JOB_DIR``, else
+    a new one).
 
     Returns the settings and the directory made here (the caller removes it at the end), or None.
     """
     given = os.environ.get(cluster.ENV_JOB_DIR)
     job_dir = given or tempfile.mkdtemp(prefix="tfdist-job-")
-    return dataclasses.replace(settings, job_dir=job_dir), None if given else job_dir
+    return dataclasses.replace(settings, job_dir=job_dir, grace_period=grace_period), None if given else job_dir
+
+
+def port_clashes(workers: Sequence[Worker], addresses: Sequence[str]) -> list[str]:
+    """The addresses (``addresses[rank]``) where a worker's TensorFlow server could not listen."""
+    return [addresses[w.index] for w in workers if w.port_clash]
 
 
 def summary(workers: Sequence[Worker], began: float) -> str:
@@ -170,7 +164,7 @@ def summary(workers: Sequence[Worker], began: float) -> str:
 
 
 def run_once(workers, start, count, deadline, grace_period, start_watch, on_poll=None):
-    """Appends ``start(i)`` for i in 0..count-1 to ``workers``, waits, and stops them all.
+    """Appends ``start(i)`` for i in 0..count-1 to ``workers``, waits, stops them all and notes their port clashes.
 
     Returns the first failure, or None. Every worker has exited when it returns or raises. A Stop
     (a signal, a timeout) after which every worker exited EXIT_PREEMPTED is raised again with that code.
@@ -192,6 +186,9 @@ def run_once(workers, start, count, deadline, grace_period, start_watch, on_poll
     finally:
         broken = failure is not None and failure.returncode != cluster.EXIT_PREEMPTED
         _stop_all(workers, min(grace_period, FAILURE_GRACE_SECONDS) if broken else grace_period)
+        marks = start_watch.marks()
+        for worker in workers:
+            worker.port_clash = f"port-clash-{worker.index}" in marks
 
 
 def _stop_all(workers: list[Worker], grace_period: float) -> None:
@@ -211,13 +208,9 @@ def _stop_all(workers: list[Worker], grace_period: float) -> None:
 
 
 def relay_output(worker: Worker, stream, settings: WorkerSettings, out, lock) -> Worker:
-    """Starts ``worker.reader``: copies ``stream`` to ``out`` prefixed ``[index]``, noting port clashes."""
-    def note_port_clash(line: bytes) -> None:
-        if _PORT_CLASH in line.lower():
-            worker.saw_port_clash = True
-
+    """Starts ``worker.reader``: copies ``stream`` to ``out`` prefixed ``[index]``."""
     worker.reader = threading.Thread(target=output.pump, daemon=True, args=(
-        stream, f"[{worker.index}] ", out, lock, settings.hide_tf_logs, note_port_clash))
+        stream, f"[{worker.index}] ", out, lock, settings.hide_tf_logs))
     worker.reader.start()
     return worker
 
@@ -250,7 +243,7 @@ class StartWatch:
             never = [i for i in missing if f"joining-{i}" not in marks]
             raise Stop(f"worker(s) {missing} did not join the cluster within --start-timeout {self.timeout:g}s"
                         + (f"; worker(s) {never} never reached tfdist.scope()/init()" if never else "")
-                        + " (check that every worker starts and can reach the others' ports)", EXIT_TIMEOUT)
+                        + " (check that every worker starts and can reach the others' ports)", policy.EXIT_TIMEOUT)
 
 
 def _wait(workers: list[Worker], deadline: float | None, start_watch: StartWatch, on_poll=None) -> Failure | None:
@@ -266,7 +259,7 @@ def _wait(workers: list[Worker], deadline: float | None, start_watch: StartWatch
         if all(code == 0 for code in codes):
             return None
         if deadline is not None and time.monotonic() > deadline:
-            raise Stop("the job ran past --timeout", EXIT_TIMEOUT)
+            raise Stop("the job ran past --timeout", policy.EXIT_TIMEOUT)
         time.sleep(_POLL_SECONDS)
 
 
