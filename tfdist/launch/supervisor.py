@@ -96,7 +96,7 @@ def describe_exit(returncode: int) -> str:
     if returncode == cluster.EXIT_PREEMPTED:
         return f"exited with code {returncode} (preempted: it saved at the step every worker agreed on)"
     if returncode == cluster.EXIT_HANG:
-        return f"exited with code {returncode} (tfdist's hang watchdog: it waited in a collective past the hang timeout)"
+        return f"exited with code {returncode} (tfdist's hang watchdog: a worker spent the hang timeout in one call, or went silent)"
     return f"exited with code {returncode}"
 
 
