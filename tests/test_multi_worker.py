@@ -55,6 +55,13 @@ def test_steps_per_execution_3_matches_one_device_step_by_step(job):
             np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_auto_k_is_agreed_when_only_one_worker_has_a_per_batch_callback(job):
+    """Each worker picks K from its own callbacks: a logger on the chief alone must not give 1 against 16."""
+    first, second = (job.results[rank]["auto_k_callback_on_one_worker"] for rank in (0, 1))
+    assert first["steps"] == second["steps"] == 8
+    assert first["weights"] == second["weights"]
+
+
 def test_step_counts_k_does_not_divide_are_the_users(job):
     """K=4 and tfdist's default K ("auto") run exactly the steps asked for, as K=1 does, on 2 workers."""
     for rank in (0, 1):

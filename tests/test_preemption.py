@@ -114,15 +114,15 @@ def test_a_custom_loop_with_should_stop_saves_at_the_agreed_step_and_resumes_the
 
 
 def test_stop_signals_come_from_the_environment_and_a_bad_name_is_a_clear_error():
-    from tfdist import preemption
+    from tfdist import stop_signals
 
-    assert preemption.signals_from_env({}) == (signal.SIGTERM, signal.SIGUSR1)
-    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "usr2, SIGTERM"}) == (signal.SIGUSR2, signal.SIGTERM)
-    assert preemption.signals_from_env({"TFDIST_STOP_SIGNALS": ""}) == ()
+    assert stop_signals.signals_from_env({}) == (signal.SIGTERM, signal.SIGUSR1)
+    assert stop_signals.signals_from_env({"TFDIST_STOP_SIGNALS": "usr2, SIGTERM"}) == (signal.SIGUSR2, signal.SIGTERM)
+    assert stop_signals.signals_from_env({"TFDIST_STOP_SIGNALS": ""}) == ()
     with pytest.raises(ValueError, match=r"TFDIST_STOP_SIGNALS='SIGTERM,FOO': SIGFOO is not a signal .* SIGTERM,SIGUSR1"):
-        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "SIGTERM,FOO"})
+        stop_signals.signals_from_env({"TFDIST_STOP_SIGNALS": "SIGTERM,FOO"})
     with pytest.raises(ValueError, match="SIGKILL is not a signal a process can catch"):
-        preemption.signals_from_env({"TFDIST_STOP_SIGNALS": "KILL"})
+        stop_signals.signals_from_env({"TFDIST_STOP_SIGNALS": "KILL"})
 
 
 # Edges of the control plane (issue 40) -----------------------------------------------------------
@@ -143,12 +143,18 @@ def test_sigterm_to_the_launcher_with_a_multiprocessing_pydataset_saves_and_resu
                                       np.concatenate([np.ravel(w) for w in reference.results[rank]["weights"]]))
 
 
-def test_a_stop_asked_in_the_last_step_of_a_fit_does_not_stop_the_next_fit(tmp_path):
-    result = run_job("stop_edges_job.py", tmp_path, "two-fits", timeout=240,
+def test_fits_in_a_row_a_local_fit_and_a_fit_inside_a_fit_each_keep_their_own_stops(tmp_path):
+    result = run_job("stop_edges_job.py", tmp_path, "sequence", timeout=240,
                      env={"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).check()
-    assert result.results[0]["steps"] == result.results[1]["steps"] == [6, 20]
-    assert result.results[0]["iterations"] == result.results[1]["iterations"] == 26
-    assert result.results[0]["weights"] == result.results[1]["weights"]
+    first, second = result.results[0], result.results[1]
+    # A stop asked in the last step of a fit does not leak into the next one.
+    assert first["steps"][:2] == second["steps"][:2] == [6, 20]
+    assert first["iterations"] == second["iterations"] == 26
+    assert first["weights"] == second["weights"]
+    # Worker 0's local fit takes no session number; a fit inside a fit's callback does not end the outer
+    # session: worker 1's later stop stops both after the same step, mid-epoch 1.
+    assert first["steps"][2] == second["steps"][2] and 8 < first["steps"][2] < 16
+    assert first["nested_weights"] == second["nested_weights"]
     # Where a scheduler may preempt (here Kubernetes), worker 0 says once that nothing would be saved.
     assert result.output.count("tfdist: fit has no keras.callbacks.BackupAndRestore") == 1
     assert "[0] tfdist: fit has no keras.callbacks.BackupAndRestore" in result.output
@@ -163,6 +169,24 @@ def test_a_signal_after_a_workers_report_still_makes_every_worker_agree_on_a_pre
     assert json.loads((tmp_path / "backup" / "training_metadata.json").read_text())["steps_done_in_epoch"] == 3
 
 
+def test_local_fits_and_a_fit_inside_a_fit_do_not_disturb_a_preemption(tmp_path):
+    result = run_job("stop_edges_job.py", tmp_path, "probes", timeout=240, launcher_args=GRACE)
+    assert result.returncode == cluster.EXIT_PREEMPTED, result.output[-4000:]
+    assert "exit codes [85, 85]" in result.output
+    metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert metadata["epoch"] == 1 and 2 < metadata["steps_done_in_epoch"] < 8
+
+
+def test_a_signal_during_the_last_validation_saves_and_the_same_command_goes_on_after_that_fit(tmp_path):
+    first = run_job("stop_edges_job.py", tmp_path, "last-validation", timeout=240, launcher_args=GRACE)
+    assert first.returncode == cluster.EXIT_PREEMPTED, first.output[-4000:]
+    assert "exit codes [85, 85]" in first.output and "every worker saved at the step they agreed on" in first.output
+    assert json.loads((tmp_path / "backup1" / "training_metadata.json").read_text())["epoch"] == 2  # both done
+    second = run_job("stop_edges_job.py", tmp_path, "last-validation", timeout=240, launcher_args=GRACE).check()
+    for rank in (0, 1):
+        assert second.results[rank]["iterations"] == [16, 20]  # fit 1 was done: restored, not trained again
+
+
 @pytest.mark.parametrize("mode", ["loop", "elastic"])
 def test_a_sigterm_after_a_custom_loop_or_hvd_elastic_run_takes_its_default_action(tmp_path, mode):
     began = time.monotonic()
@@ -170,16 +194,29 @@ def test_a_sigterm_after_a_custom_loop_or_hvd_elastic_run_takes_its_default_acti
     assert (tmp_path / "signalled").exists(), result.output[-3000:]
     assert result.returncode == 128 + signal.SIGTERM, result.output[-3000:]
     assert "worker 1 was killed by SIGTERM" in result.output
+    assert "[1] tfdist: worker 1: SIGTERM takes its default action: no training runs" in result.output
     assert time.monotonic() - began < 45  # not the 60 s of post-loop work
 
 
-def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying_so(tmp_path):
-    result = run_job("stop_edges_job.py", tmp_path, "unanswered", timeout=120,
+@pytest.mark.parametrize("mode", ["unanswered", "unanswered-elastic"])
+def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying_so(tmp_path, mode):
+    result = run_job("stop_edges_job.py", tmp_path, mode, timeout=120,
                      launcher_args=("--grace-period", "10", "--hang-timeout", "0"))
     ended = time.time()
     assert result.returncode == 1, result.output[-3000:]
     assert "but worker 1 did not answer in time (it may have died, or be stuck in a step)" in result.output
     assert ended - (tmp_path / "signalled").stat().st_mtime < 20  # the grace period, not TensorFlow's heartbeat
+
+
+def test_a_signal_while_waiting_inside_tensorflow_takes_its_default_action_after_the_grace_period(tmp_path):
+    """Python runs signal handlers between bytecodes only: the stop thread notes the signal at once instead."""
+    result = run_job("stop_edges_job.py", tmp_path, "blocked", timeout=120,
+                     launcher_args=("--grace-period", "10", "--hang-timeout", "0"))
+    ended = time.time()
+    assert result.returncode == 128 + signal.SIGTERM, result.output[-3000:]
+    assert ("[0] tfdist: worker 0: SIGTERM takes its default action: no agreed step honoured it within the grace "
+            "period (10 s)") in result.output
+    assert ended - (tmp_path / "signalled").stat().st_mtime < 25  # not the 40 s worker 1 sleeps
 
 
 def test_a_store_that_fails_at_once_is_read_with_pauses_until_the_deadline(monkeypatch):
@@ -200,9 +237,61 @@ def test_a_store_that_fails_at_once_is_read_with_pauses_until_the_deadline(monke
 
 
 def test_the_grace_period_comes_from_the_environment_and_a_bad_one_is_a_clear_error():
+    from tfdist import stop_signals
+
+    assert stop_signals.grace_from_env({}) == 25.0
+    assert stop_signals.grace_from_env({"TFDIST_GRACE_PERIOD": "7.5"}) == 7.5
+    with pytest.raises(ValueError, match=r"TFDIST_GRACE_PERIOD='soon' is not a number of seconds: .* --grace-period"):
+        stop_signals.grace_from_env({"TFDIST_GRACE_PERIOD": "soon"})
+
+
+def test_an_evaluate_before_training_does_not_take_the_mid_epoch_resume_and_the_next_fit_starts_at_0(tmp_path):
+    """One device. The resume position belongs to the fit's first training epoch (an evaluate in a callback's
+    on_train_begin took it, and the epoch restarted at 0); Keras kept the restored epoch for every later fit."""
+    import keras
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 3):
+                raise RuntimeError("cut")
+
+    class EvaluateFirst(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.model.evaluate(data, verbose=0)
+
+    x, y = common.regression_data(common.GLOBAL_BATCH * STEPS)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
+    model = common.resumable_model()
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+    with pytest.raises(RuntimeError, match="cut"):
+        model.fit(data, epochs=EPOCHS, verbose=0, callbacks=[backup, Crash()])
+    model = common.resumable_model()
+    model.fit(data, epochs=EPOCHS, verbose=0, callbacks=[backup, EvaluateFirst()])
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * STEPS
+    model.fit(data, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == (EPOCHS + 1) * STEPS
+
+
+def test_a_process_forked_while_the_stop_thread_holds_the_planes_lock_can_still_train():
     from tfdist import preemption
 
-    assert preemption.grace_from_env({}) == 25.0
-    assert preemption.grace_from_env({"TFDIST_GRACE_PERIOD": "7.5"}) == 7.5
-    with pytest.raises(ValueError, match=r"TFDIST_GRACE_PERIOD='soon' is not a number of seconds: .* --grace-period"):
-        preemption.grace_from_env({"TFDIST_GRACE_PERIOD": "soon"})
+    with preemption._plane.lock:
+        pid = os.fork()
+        if pid == 0:  # the child: a fit's session opens and closes
+            try:
+                preemption.end_fit(preemption.begin_fit(of_the_job=False))
+            finally:
+                os._exit(0)
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the plane's lock")

@@ -39,9 +39,10 @@ ENV_NODE_RANK = "TFDIST_NODE_RANK"
 ENV_NUM_NODES = "TFDIST_NUM_NODES"
 # A directory where tfdist marks each worker "joining" and "joined" the cluster, so the
 # launcher can stop a job whose workers never all join (see ``mark_stage``); and "port-clash"
-# when its TensorFlow server could not listen on its TF_CONFIG port (the launcher retries on fresh ports).
+# when its TensorFlow server could not listen on its TF_CONFIG port (the launcher retries on fresh ports);
+# and "stops" once it handles stop signals (the launcher then sends its SIGTERM to that process alone).
 ENV_STATUS_DIR = "TFDIST_STATUS_DIR"
-STAGES = ("joining", "joined", "port-clash")
+STAGES = ("joining", "joined", "port-clash", "stops")
 # A directory that lives as long as the launcher's job, across its restarts (``tfdist run``
 # creates and removes it): where ``tfdist.horovod.elastic`` keeps committed state.
 ENV_JOB_DIR = "TFDIST_JOB_DIR"
@@ -364,11 +365,12 @@ def cpu_devices_from_env(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def mark_stage(stage: str, env: Mapping[str, str] | None = None) -> None:
-    """Tells ``tfdist run`` that this worker reached ``stage`` (a file in its status dir).
+    """Tells ``tfdist run`` that this worker reached ``stage`` (a file in its status dir holding this process's id).
 
     Does nothing outside ``tfdist run`` (no status directory in the environment).
     """
     env = os.environ if env is None else env
     directory = env.get(ENV_STATUS_DIR)
     if directory and stage in STAGES:
-        open(os.path.join(directory, f"{stage}-{env.get(ENV_WORKER_INDEX, '0')}"), "w").close()
+        with open(os.path.join(directory, f"{stage}-{env.get(ENV_WORKER_INDEX, '0')}"), "w") as mark:
+            mark.write(str(os.getpid()))  # the process that reached it

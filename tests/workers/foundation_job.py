@@ -59,6 +59,12 @@ class Batches(keras.callbacks.Callback):
 
 
 rank, batches = tfdist.rank(), Batches()
+# steps_per_execution "auto" with a per-batch callback on worker 0 only: every worker must run one step a call.
+with strategy.scope():
+    auto = common.equivalence_model()
+auto.fit(dataset, epochs=1, verbose=0, callbacks=[Batches()] if rank == 0 else [])
+payload["auto_k_callback_on_one_worker"] = {"weights": [w.tolist() for w in auto.get_weights()],
+                                            "steps": int(auto.optimizer.iterations.numpy())}
 with strategy.scope():
     uneven = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     uneven.set_weights(common.join_start())

@@ -277,9 +277,12 @@ def run(func: Callable) -> Callable:
         if restored:
             state.on_reset()
         try:
-            return func(state, *args, **kwargs)
-        finally:
-            preemption.end_loop()  # its commits' rounds end with it; a stop signal acts as without tfdist again
+            result = func(state, *args, **kwargs)
+        except BaseException:
+            preemption.end_loop(failed=True)  # its commits' rounds end with it; its error goes on
+            raise
+        preemption.end_loop()  # a stop signal acts as without tfdist again
+        return result
 
     return wrapper
 

@@ -5,8 +5,10 @@ Under a MultiWorkerMirroredStrategy of several workers (rank from the model's st
 * ``ModelCheckpoint``, ``BackupAndRestore``: the chief writes the named files, every other
   worker writes into a private temporary directory it deletes (``tfdist.atomic_files``); writes
   to local paths are atomic. ``BackupAndRestore`` restores the chief's files on every
-  worker, and a backup taken mid-epoch (``save_freq=N``) resumes at the next batch of
-  that epoch, not at its start.
+  worker, a backup taken mid-epoch (``save_freq=N``) resumes at the next batch of
+  that epoch, not at its start, and the epoch it restored ends with its ``fit`` (Keras 3.15
+  keeps it in ``model._initial_epoch``: a later ``fit`` of the model, with any callbacks,
+  started at that epoch and trained nothing when it asked for fewer epochs; on one device too).
 * ``TensorBoard``, ``CSVLogger``: other workers write to a private temporary place,
   deleted when training ends; only the chief's files appear.
 * ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``:
@@ -158,6 +160,7 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
 def _delete_after_every_worker_is_done(original, self, logs=None):
+    self.model._initial_epoch = None  # Keras keeps the restored epoch: every later fit of the model would skip to it
     rank, workers = _workers(self.model)
     if workers > 1:
         process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes

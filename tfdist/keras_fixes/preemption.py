@@ -15,7 +15,14 @@ when its steps end or it fails), and:
   epoch-end callbacks run first), so a resumed run never replays an empty epoch;
 * at every epoch end, a ``model.stop_training`` set on any worker (a callback of its own)
   stops every worker after that epoch: the flag is summed over the workers by a collective
-  every worker runs there.
+  every worker runs there;
+* when the steps end (a signal in the last step, or during the last validation), before any
+  callback's ``on_train_end``: every worker saves and exits 85 if a stop signal reached any of
+  them, with BackupAndRestore's backup of the last epoch still there (the same command then
+  finds the fit done and goes on after it).
+
+A ``fit`` of a model outside the job's strategy (a probe on one worker, a ``fit`` inside a
+callback) is a local session: it takes no stop signal and no number.
 
 ``fit`` on several workers without BackupAndRestore says once, where a preemption is likely
 (under SLURM or Kubernetes), that nothing would be saved. After a restore, EarlyStopping's and
@@ -59,13 +66,13 @@ def _several_workers(model) -> bool:
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)
 def _fit_is_a_session(original, self, *args, **kwargs):
-    preemption.begin_fit()
+    session = preemption.begin_fit(of_the_job=_several_workers(self))
     try:
         result = original(self, *args, **kwargs)
     except BaseException:
-        preemption.end_fit(failed=True)  # its rounds end with it; its error goes on
+        preemption.end_fit(session, failed=True)  # its rounds end with it; its error goes on
         raise
-    preemption.end_fit()
+    preemption.end_fit(session)
     return result
 
 
@@ -103,6 +110,12 @@ def _stop_at_the_agreed_step(original, self, batch, logs=None):
     # a preemption at an epoch's last step: saved after the epoch's end (below)
 
 
+@patch.replaces(CallbackList, "on_epoch_begin", ("self", "epoch", "logs"))
+def _training_data_next(original, self, epoch, logs=None):
+    original(self, epoch, logs)
+    preemption.arm_resume()  # fit enumerates its training data next: only that takes a mid-epoch resume
+
+
 @patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
 def _epoch_end_together(original, self, epoch, logs=None):
     original(self, epoch, logs)
@@ -115,8 +128,10 @@ def _epoch_end_together(original, self, epoch, logs=None):
 
 
 @patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
-def _disarm(original, self, logs=None):
-    preemption.end_fit()  # no step follows: a stop signal no verdict honoured acts now, before any cleanup
+def _verdict_at_the_end(original, self, logs=None):
+    decision = preemption.end_of_steps()  # every worker is here: a stop signal any of them got is a preemption
+    if decision is not None:
+        _save_and_exit(self, decision)  # before the callbacks' end (BackupAndRestore would delete its backup)
     original(self, logs)
 
 
@@ -125,7 +140,8 @@ def _save_and_exit(callbacks: CallbackList, decision: preemption.Decision) -> No
     backups = _backups(callbacks)
     for backup in backups:
         backup._save_model()
-    head = f"tfdist: preempted ({decision.why}): every worker stopped after step {decision.step}"
+    head = (f"tfdist: preempted ({decision.why}): every worker stopped after step "
+            f"{int(callbacks.model.optimizer.iterations.numpy())}")
     if backups:
         backup = backups[0]
         where = (f"epoch {backup._current_epoch + 1}, step {backup._tfdist_steps_done} of it"
@@ -134,5 +150,5 @@ def _save_and_exit(callbacks: CallbackList, decision: preemption.Decision) -> No
                    f"Exit code {preemption.EXIT_PREEMPTED}.")
     else:
         message = (f"{head}; nothing was saved (no keras.callbacks.BackupAndRestore in fit's callbacks): the "
-                   f"{decision.step} step(s) this run trained are lost. Exit code {preemption.EXIT_PREEMPTED}.")
+                   f"steps this run trained are lost. Exit code {preemption.EXIT_PREEMPTED}.")
     preemption.exit_preempted(message)

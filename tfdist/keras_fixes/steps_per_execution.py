@@ -32,7 +32,7 @@ from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import python_utils
 
-from tfdist import state
+from tfdist import process_group, state
 from tfdist.keras_fixes.signatures import COMPILE_PARAMETERS, FIT_PARAMETERS
 from tfdist.patching import Patch
 
@@ -149,12 +149,16 @@ def _compile_with_auto_steps(original, self, *args, **kwargs):
 
 @auto_patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)
 def _fit_with_auto_steps(original, self, *args, **kwargs):
-    """K for this fit only (evaluate/predict outside fit keep Keras' one step per call)."""
+    """K for this fit only (evaluate/predict outside fit keep Keras' one step per call); the smallest any
+    worker picks, so that every worker's calls hold as many steps (collectives match)."""
     if not getattr(self, "_tfdist_auto_steps", False):
         return original(self, *args, **kwargs)
     arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
     steps = auto_steps(arguments.get("callbacks"),
                        *(arguments.get(name) for name in ("steps_per_epoch", "validation_steps")))
+    if process_group.num_workers(self.distribute_strategy) > 1:  # a per-batch callback on one worker: K=1 for all
+        group = process_group.for_strategy(self.distribute_strategy)
+        steps = int(group.allreduce(tf.constant([steps], tf.int64), op="min", device="CPU").numpy()[0])
     if getattr(self, "_tfdist_traced_steps", 1) != steps:
         # Retrace for the new K (kept across fits with the same K). K=1 too: a function traced for K runs K
         # steps a call whatever steps_per_execution says, so a fit with a per-batch callback after one without

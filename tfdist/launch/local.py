@@ -123,7 +123,9 @@ def run_here(workers, command, addresses, settings, restart, deadline, grace_per
     def start(local_rank: int) -> supervisor.Worker:
         env = worker_env(addresses, ranks[local_rank], settings, restart, status_dir)
         env.update(node.env(local_rank) if node is not None else {})
-        return _spawn(command, ranks[local_rank], env, settings, out, lock)
+        worker = _spawn(command, ranks[local_rank], env, settings, out, lock)
+        worker.status_dir = status_dir
+        return worker
 
     try:
         watch = supervisor.StartWatch(lambda: set(os.listdir(status_dir)), ranks, start_timeout)

@@ -46,6 +46,7 @@ class WorkerHost:
         self.eof = False
         self.changed = threading.Condition()
         self.status_dir = tempfile.mkdtemp(prefix="tfdist-ray-")
+        self.index = 0
 
     def address(self, port: int | None) -> str:
         """'node-ip:port' where this worker will listen (a free port unless ``port`` is given)."""
@@ -55,6 +56,7 @@ class WorkerHost:
 
     def start(self, command: Sequence[str], addresses: Sequence[str], index: int, settings: dict, restart: int,
               cwd: str, env_extra: dict[str, str]) -> None:
+        self.index = index
         env = local.worker_env(addresses, index, supervisor.WorkerSettings(**settings), restart, self.status_dir)
         env.update(env_extra)
         self.process = subprocess.Popen(list(command), env=env, cwd=cwd if os.path.isdir(cwd) else None,
@@ -80,6 +82,11 @@ class WorkerHost:
         return lines, self.process.poll(), eof, os.listdir(self.status_dir)
 
     def signal_group(self, signum: int) -> None:
+        """SIGTERM: to the process that handles the worker's stop signals, when it marked itself; else (and any
+        other signal) to the worker's process group."""
+        if signum == signal.SIGTERM and supervisor.signal_stop_handler(self.process.pid, self.status_dir, self.index,
+                                                                       signal.SIGTERM):
+            return
         try:
             os.killpg(self.process.pid, signum)
         except (ProcessLookupError, PermissionError):

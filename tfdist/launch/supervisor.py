@@ -73,6 +73,7 @@ class Worker:
     index: int
     process: subprocess.Popen
     reader: threading.Thread | None = None
+    status_dir: str | None = None  # where it marks its stages (this machine's workers)
     port_clash: bool = False  # its TensorFlow server could not listen on its port (it marked "port-clash")
 
 
@@ -192,11 +193,13 @@ def run_once(workers, start, count, deadline, grace_period, start_watch, on_poll
 
 
 def _stop_all(workers: list[Worker], grace_period: float) -> None:
-    """SIGTERM every live worker's process group, then SIGKILL what is left after the grace period."""
+    """SIGTERM every live worker (the process that handles its stop signals, else its process group), then
+    SIGKILL every worker's process group after the grace period."""
     with lifeline.stopping():  # a signal now SIGKILLs every worker rather than cutting this short
         live = [w for w in workers if w.process.poll() is None]
         for worker in live:
-            signal_group(worker.process, signal.SIGTERM)
+            if not signal_stop_handler(worker.process.pid, worker.status_dir, worker.index, signal.SIGTERM):
+                signal_group(worker.process, signal.SIGTERM)
         end = time.monotonic() + grace_period
         while any(w.process.poll() is None for w in live) and time.monotonic() < end:
             time.sleep(_POLL_SECONDS)
@@ -261,6 +264,21 @@ def _wait(workers: list[Worker], deadline: float | None, start_watch: StartWatch
         if deadline is not None and time.monotonic() > deadline:
             raise Stop("the job ran past --timeout", policy.EXIT_TIMEOUT)
         time.sleep(_POLL_SECONDS)
+
+
+def signal_stop_handler(group: int, status_dir: str | None, index: int, sig: signal.Signals) -> bool:
+    """Sends ``sig`` to the process of worker ``index`` that handles its stop signals (it marked "stops" in
+    ``status_dir``), not to the rest of its process group: its children (a PyDataset's pool) keep serving it
+    until it stops at the agreed step. Returns False when no such process of ``group`` is known."""
+    try:
+        with open(os.path.join(status_dir or "", f"stops-{index}")) as mark:
+            pid = int(mark.read())
+        if os.getpgid(pid) != group:
+            return False  # not this worker's any more
+        os.kill(pid, sig)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
