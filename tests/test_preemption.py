@@ -128,10 +128,12 @@ def test_stop_signals_come_from_the_environment_and_a_bad_name_is_a_clear_error(
 # Edges of the control plane (issue 40) -----------------------------------------------------------
 
 def test_sigterm_to_the_launcher_with_a_multiprocessing_pydataset_saves_and_resumes_exactly(tmp_path):
-    """The SIGTERM reaches the PyDataset pool's forked children too: they end (the default action), and
-    never act as their worker (a stale stop request under its rank); the worker saves and resumes exactly."""
+    """The pool's forked children take no part in the stop (a SIGTERM ends them: the default action; they
+    inherited their worker's handler, and wrote stale requests under its rank), and the launcher's SIGTERM
+    goes to the worker alone, so the children it is waiting for keep making its batches until the agreed
+    step; the worker saves and resumes exactly."""
     reference = run_job("preempt_job.py", tmp_path / "reference", "pydataset-none", timeout=240).check()
-    first = run_job("preempt_job.py", tmp_path, "pydataset", timeout=240, launcher_args=GRACE)
+    first = run_job("preempt_job.py", tmp_path, "pydataset", timeout=120, launcher_args=GRACE)
     assert first.returncode == cluster.EXIT_PREEMPTED, first.output[-4000:]
     assert "every worker saved at the step they agreed on" in first.output
     second = run_job("preempt_job.py", tmp_path, "pydataset", timeout=240, launcher_args=GRACE).check()

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import keras
 import tensorflow as tf
@@ -57,15 +58,16 @@ class Inject(keras.callbacks.Callback):
 
 
 class Batches(keras.utils.PyDataset):
-    """The same batches, made by a pool of 2 forked processes."""
+    """The same batches, made by a pool of 2 forked processes, slowly: some are always being made."""
 
     def __init__(self):
-        super().__init__(workers=2, use_multiprocessing=True, max_queue_size=4)
+        super().__init__(workers=2, use_multiprocessing=True, max_queue_size=2)
 
     def __len__(self):
         return STEPS
 
     def __getitem__(self, index):
+        time.sleep(0.2)
         part = slice(index * common.GLOBAL_BATCH, (index + 1) * common.GLOBAL_BATCH)
         return x[part], y[part]
 
