@@ -10,7 +10,8 @@ PACKAGE = pathlib.Path(tfdist.__file__).resolve().parent
 
 # The first matching prefix decides a module's layer; tfdist/__init__.py (the root) wires them all.
 LAYERS = [
-    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "run", "cli", "launch")),
+    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "stop_signals", "run", "cli",
+         "launch")),
     (1, ("buckets", "autotune", "compression", "fusion", "devices", "watchdog", "kvstore", "preemption")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),

@@ -17,8 +17,8 @@ Layers (each module imports only from its own layer or lower ones; tests/test_la
 checks it, imports inside functions included):
 
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
-   ``patching``, ``startup``, ``extras``, ``atomic_files``, the launcher (``run``, ``cli``,
-   ``launch/*``);
+   ``patching``, ``startup``, ``extras``, ``atomic_files``, ``stop_signals`` (a worker's stop
+   signals), the launcher (``run``, ``cli``, ``launch/*``);
 1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``autotune`` (picks their setting from
    measured steps), ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning, threads),
    ``watchdog`` (the hang watchdog), ``kvstore`` (the coordination service's key-value store),
