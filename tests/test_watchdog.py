@@ -102,9 +102,11 @@ def test_a_worker_that_never_arrives_stops_workers_started_by_hand(tmp_path):
     assert [w.returncode for w in workers] == [EXIT_HANG, EXIT_HANG], outputs[0][-4000:] + outputs[1][-4000:]
     assert ended - json.loads((tmp_path / "hang1.json").read_text())["at"] < 10 + 40
     assert ": reached by worker(s) [0]; not by worker(s) [1]" in outputs[0]
-    # fit's first collective: autotune's agreement with worker 0 as it builds the train function (a broadcast),
-    # Keras' eager strategy reduce, or the first train step
-    assert re.search(r"worker 0 \(pid \d+\): in (eager tfdist\.broadcast #1|eager MultiWorkerMirroredStrategy reduce #1|"
+    # fit's first collective: the workers' agreement on steps_per_execution "auto" (an allreduce), autotune's
+    # agreement with worker 0 as it builds the train function (a broadcast), Keras' eager strategy reduce, or the
+    # first train step
+    assert re.search(r"worker 0 \(pid \d+\): in (eager tfdist\.allreduce #1|eager tfdist\.broadcast #1|"
+                     r"eager MultiWorkerMirroredStrategy reduce #1|"
                      r"call 1 of tf\.function)", outputs[0])
     assert re.search(r"worker 1 \(pid \d+\): in no call for \d+ s", outputs[0])
     assert "tfdist hang watchdog: stopping worker 1: worker 0 reported a hang" in outputs[1]

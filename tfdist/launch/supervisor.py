@@ -198,7 +198,8 @@ def _stop_all(workers: list[Worker], grace_period: float) -> None:
     with lifeline.stopping():  # a signal now SIGKILLs every worker rather than cutting this short
         live = [w for w in workers if w.process.poll() is None]
         for worker in live:
-            if not signal_stop_handler(worker.process.pid, worker.status_dir, worker.index, signal.SIGTERM):
+            if worker.status_dir is None or not signal_stop_handler(worker.process.pid, worker.status_dir,
+                                                                   worker.index, signal.SIGTERM):
                 signal_group(worker.process, signal.SIGTERM)
         end = time.monotonic() + grace_period
         while any(w.process.poll() is None for w in live) and time.monotonic() < end:
