@@ -75,6 +75,12 @@ def test_an_extra_allreduce_on_one_worker_stops_the_job_under_tfdist_run(tmp_pat
     assert re.search(r"worker 1 \(pid \d+\): in eager tfdist\.allreduce #\d+ \(group of ranks \[0, 1\]\)", out)
     # worker 0 went past the two steps worker 1 made and waits in its third
     assert re.search(r"worker 0 \(pid \d+\): in call 3 of tf\.function '\w+'", out)
+    # The flight recorder: each worker's last calls, so the mismatch shows (worker 1's last is the allreduce).
+    assert "Each worker's last 8 calls (tf.functions and eager collectives), oldest first:" in out
+    assert re.search(r"worker 0: .*call 2 of tf\.function '\w+' \([\d.e-]+ s\); call 3 of tf\.function '\w+' "
+                     r"\([\d.e-]+ s, still in it\)", out)
+    assert re.search(r"worker 1: .*call 2 of tf\.function '\w+' \([\d.e-]+ s\); eager tfdist\.allreduce #\d+ "
+                     r"\(group of ranks \[0, 1\]\) \([\d.e-]+ s, still in it\)", out)
     for rank in (0, 1):
         assert f"[{rank}] Python stacks of worker {rank}" in out
     assert re.search(r"\[1\] +File .*hang_job\.py\", line \d+, in on_train_batch_end", out)

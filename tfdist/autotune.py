@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Callable, Mapping, Sequence
 
-from tfdist import atomic_files, buckets, cluster
+from tfdist import atomic_files, buckets, cluster, events
 
 ENV = cluster.ENV_AUTOTUNE
 ENV_FILE = cluster.ENV_AUTOTUNE_FILE
@@ -228,9 +228,10 @@ class Tuner:
         if first_call:
             self._functions[candidate] = self._make()
         steps = self._steps_of(*args, **kwargs)
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         result = self._functions[candidate](*args, **kwargs)
         seconds = time.perf_counter() - start
+        events.span("autotune", f"autotune trial: {setting}", began, began + seconds, steps=steps or 0)
         self.steps_run += steps or 0
         self._most = max(self._most, steps or 0)
         # Timed: whole calls (the most steps a call ran: not an epoch's shorter last call, whose per-call cost
@@ -254,6 +255,7 @@ class Tuner:
                    for c, s in enumerate(self.settings)}
         self._chosen = self._functions[best]
         self._functions.clear()
+        events.instant("autotune", f"autotune chose {self.settings[best]}")
         self._settle(self.settings[best], step_ms, self.steps_run, self._chosen)
 
 

@@ -69,6 +69,8 @@ ENV_STOP_SIGNALS = "TFDIST_STOP_SIGNALS"
 # every worker): every wait of an agreed stop ends inside it, and a signal no stop honours takes its default
 # action when it runs out.
 ENV_GRACE_PERIOD = "TFDIST_GRACE_PERIOD"
+# Where worker 0 writes the job's timeline (``tfdist.timeline``; tfdist run --timeline FILE sets it).
+ENV_TIMELINE = "TFDIST_TIMELINE"
 DEFAULT_GRACE_SECONDS = 25.0  # inside Kubernetes' default 30 s between SIGTERM and SIGKILL
 DEFAULT_SLURM_PORT = 23456
 

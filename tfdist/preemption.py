@@ -73,7 +73,7 @@ import sys
 import threading
 import time
 
-from tfdist import cluster, kvstore, stop_signals
+from tfdist import cluster, events, kvstore, stop_signals
 
 EXIT_PREEMPTED = cluster.EXIT_PREEMPTED
 _PREFIX = "tfdist/stop/"
@@ -278,6 +278,8 @@ class _Plane:
         if session.decision is None:
             session.decision = self._verdict(session, "final", session.target) or \
                 Decision(session.target, False, session.why or "")
+            events.instant("stop", f"agreed stop after step {session.target}"
+                                   f"{' (preempted)' if session.decision.preempt else ''}: {session.decision.why}")
         return session.decision
 
     def _verdict(self, session: _Session, what: str, step: int) -> Decision | None:

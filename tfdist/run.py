@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
                         help=f"stop the job (exit code {cluster.EXIT_HANG}) when a worker waits in a collective more "
                              f"than S seconds, naming it; 0: never (default: ${cluster.ENV_HANG_TIMEOUT}, else 600)")
+    parser.add_argument("--timeline", default=None, metavar="FILE",
+                        help=f"worker 0 writes a Chrome-trace timeline of every worker's steps, input, compute and "
+                             f"gradient all-reduces to FILE (on worker 0's host), at every fit's end and every "
+                             f"half minute (sets ${cluster.ENV_TIMELINE}; docs/timeline.md)")
     parser.add_argument("--no-fixes", action="store_true",
                         help="run the command as it is: no tfdist start-up hook in the workers (no Keras fixes "
                              "for scripts that do not import tfdist, no early multi-worker strategy)")
@@ -149,7 +153,8 @@ def _launch(args: argparse.Namespace, command: list[str], hosts, exported: dict[
                           env=exported)
     settings = supervisor.WorkerSettings(cpu_devices=args.cpu_devices, fixes=not args.no_fixes,
                                     hide_tf_logs=not args.tf_logs and "TF_CPP_MIN_LOG_LEVEL" not in os.environ,
-                                    horovod=args.horovod, hang_timeout=args.hang_timeout)
+                                    horovod=args.horovod, hang_timeout=args.hang_timeout,
+                                    timeline=os.path.abspath(args.timeline) if args.timeline else None)
     common = dict(num_workers=args.num_workers, settings=settings, base_port=args.port, timeout=args.timeout,
                   max_restarts=args.max_restarts, grace_period=args.grace_period, start_timeout=args.start_timeout)
     if args.max_nodes > 1 or args.join_only:
@@ -347,7 +352,7 @@ def _exported(names: Sequence[str]) -> dict[str, str]:
 def _node_args(args: argparse.Namespace) -> list[str]:
     """The options every host's launcher of a -H job gets from this one."""
     given = [("--cpu-devices", args.cpu_devices), ("--port", args.port), ("--timeout", args.timeout),
-             ("--hang-timeout", args.hang_timeout)]
+             ("--hang-timeout", args.hang_timeout), ("--timeline", args.timeline)]
     node_args = [str(part) for flag, value in given if value is not None for part in (flag, value)]
     node_args += ["--grace-period", str(args.grace_period), "--start-timeout", str(args.start_timeout)]
     return node_args + [flag for flag, on in (("--no-fixes", args.no_fixes), ("--horovod", args.horovod),

@@ -25,7 +25,8 @@ Hangs. A worker reports a hang when
   or computing one call longer than S), unless a peer is busy inside a call it has been in for less
   than S (tracing or computing: progress). So a slow first step (tracing) is not a hang when it takes
   less than S, and S must exceed the longest single call (``fit``: one call per ``steps_per_execution``).
-Reporting prints the report (what each worker was doing and how long ago its last heartbeat came)
+Reporting prints the report (what each worker was doing, how long ago its last heartbeat came, and its
+last ``RECENT_CALLS`` calls with their durations: a flight recorder, published with each heartbeat)
 and every thread's Python stack, writes the report to the store and exits with ``EXIT_HANG``; every
 other worker prints its own stacks and exits with the same code at its next wake-up (worker 0, which
 holds the store, last); a reporter that has no peer left to leave with (all silent) exits at once.
@@ -37,6 +38,7 @@ call for S seconds itself, and exits at once.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import json
 import os
@@ -47,7 +49,7 @@ import traceback
 from typing import Any, Callable, Mapping
 
 import tensorflow as tf
-from tfdist import cluster, kvstore
+from tfdist import cluster, events, kvstore
 
 ENV = cluster.ENV_HANG_TIMEOUT
 EXIT_HANG = cluster.EXIT_HANG
@@ -62,15 +64,18 @@ _local = threading.local()
 _marks: list["_Mark"] = []
 _marks_lock = threading.Lock()
 _started_at = time.monotonic()
+RECENT_CALLS = 8
+_recent: collections.deque = collections.deque(maxlen=RECENT_CALLS)  # (what, entered, left or None), all threads
 
 
 class _Mark:
     """The outermost call a thread is in (``depth`` > 0), or the one it last left."""
 
-    __slots__ = ("thread", "depth", "owner", "label", "number", "since")
+    __slots__ = ("thread", "depth", "owner", "label", "number", "since", "recent")
 
     def __init__(self, thread: threading.Thread):
         self.thread, self.depth, self.owner, self.label, self.number, self.since = thread, 0, None, None, 0, time.monotonic()
+        self.recent: list = []  # its entry in the flight recorder (``_recent``)
 
     def describe(self) -> str:
         if self.owner is None:
@@ -94,21 +99,28 @@ def enter(owner: Any, label: str | None = None) -> None:
         number = owner.__dict__.get("_tfdist_calls", 0) + 1
         owner._tfdist_calls = number
         mark.owner, mark.label, mark.number, mark.since = owner, label, number, time.monotonic()
+        mark.recent = [mark.describe(), mark.since, None]
+        _recent.append(mark.recent)
 
 
 def watched(method: Callable) -> Callable:
-    """Decorates a ``ProcessGroup`` collective so that its eager calls are marked (``enter``/``leave``)."""
+    """Decorates a ``ProcessGroup`` collective so that its eager calls are marked (``enter``/``leave``) and noted
+    for the timeline (``tfdist.events``)."""
     label = f"tfdist.{method.__name__}"
 
     @functools.wraps(method)
     def run(group, *args, **kwargs):
-        if not active or not tf.executing_eagerly():
+        if not tf.executing_eagerly():
             return method(group, *args, **kwargs)
-        enter(group, label)
+        began = time.time()
+        if active:
+            enter(group, label)
         try:
             return method(group, *args, **kwargs)
         finally:
-            leave()
+            if active:
+                leave()
+            events.span("collective", label, began)
 
     return run
 
@@ -118,7 +130,7 @@ def leave() -> None:
     mark = _local.mark
     mark.depth -= 1
     if mark.depth == 0:
-        mark.since = time.monotonic()
+        mark.since = mark.recent[2] = time.monotonic()
 
 
 def on_start(hook: Callable[[], Any]) -> None:
@@ -225,7 +237,7 @@ class _Watchdog:
         latest = mark or max(_marks, key=lambda m: m.since, default=None)
         since = latest.since if latest else _started_at
         return {"what": mark.describe() if mark else None, "last": latest.describe() if latest else "nothing yet",
-                "for": round(now - since, 1), "busy": busy, "pid": self.pid}
+                "for": round(now - since, 1), "busy": busy, "pid": self.pid, "recent": _recent_calls(now)}
 
     def publish(self, state: dict, exited: bool = False) -> None:
         """Writes ``state`` with the next heartbeat number; nothing once this worker published that it exited."""
@@ -267,6 +279,10 @@ class _Watchdog:
             reached, missing = sorted(reached), sorted(set(range(self.size)) - reached)
             lines.append(f"  {mine['what']}: reached by worker(s) {reached}; not by worker(s) {missing}")
         lines += [f"  {self.describe(rank, mine, silent, now)}" for rank in range(self.size)]
+        lines.append(f"  Each worker's last {RECENT_CALLS} calls (tf.functions and eager collectives), oldest first:")
+        for rank in range(self.size):
+            peer = mine if rank == self.rank else self.heard[rank][0]
+            lines.append(f"    worker {rank}: " + ("; ".join(peer.get("recent") or ["none"]) if peer else "unknown"))
         return "\n".join(lines)
 
     def describe(self, rank: int, mine: dict, silent: list[int], now: float) -> str:
@@ -311,6 +327,12 @@ def _doing(state: dict) -> str:
     where = (f"in {state['what']} for {state['for']:.0f} s" if state["what"]
              else f"in no call for {state['for']:.0f} s (last: {state['last']})")
     return f"{where}, CPU {'busy' if state['busy'] else 'idle'}"
+
+
+def _recent_calls(now: float) -> list[str]:
+    """The flight recorder: this process's last calls, oldest first, with how long each took (or is taking)."""
+    return [f"{what} ({(left or now) - entered:.3g} s{'' if left else ', still in it'})"
+            for what, entered, left in list(_recent)]
 
 
 def _longest_call() -> "_Mark | None":

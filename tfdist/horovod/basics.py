@@ -16,7 +16,7 @@ import warnings
 from typing import Sequence
 
 from tfdist import cluster as cluster_lib
-from tfdist import process_group
+from tfdist import process_group, timeline
 
 # Horovod's reduce ops; the values are tfdist.process_group's names for them.
 Average, Sum, Min, Max, Product = "mean", "sum", "min", "max", "product"  # process_group.REDUCE_OPS' names
@@ -303,15 +303,31 @@ def gpu_available(ext_base_name: str = "tensorflow", verbose: bool = False) -> b
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """A no-op: there is no Horovod timeline (the note, once, says what to use instead)."""
+    """Starts tfdist's timeline (``tfdist.timeline``): rank 0 writes ``file_path``, a Chrome trace of every rank's
+    steps, input, compute and gradient all-reduces. Call it on every rank (it measures the ranks' clock offsets
+    with a few collectives). ``mark_cycles`` is accepted (tfdist has no cycles)."""
     _cluster("start_timeline")
-    _note_once("timeline", "tfdist.horovod has no Horovod timeline; start_timeline/stop_timeline do nothing. "
-                           "See collective ops in TensorFlow's profiler instead (tf.profiler.experimental.start).")
+    timeline.set_path(file_path)
+    start_timeline_if_asked()
 
 
 def stop_timeline() -> None:
-    """A no-op (see ``start_timeline``)."""
-    _cluster("stop_timeline")
+    """Writes the timeline as it is now and stops (rank 0 writes the file; call it on every rank)."""
+    cluster = _cluster("stop_timeline")
+    if timeline.path() is not None and cluster.is_multi_worker:
+        timeline.publish(cluster.worker_index, cluster.num_workers)
+    timeline.set_path(None)
+
+
+def start_timeline_if_asked() -> None:
+    """With a timeline path (``start_timeline``, HOROVOD_TIMELINE, TFDIST_TIMELINE) in a multi-worker job: starts it
+    (once). ``hvd.broadcast_variables`` calls it (every rank does, at the same point; ``init`` starts nothing)."""
+    cluster = _state.cluster
+    if timeline.path() is None or cluster is None or not cluster.is_multi_worker:
+        return
+    from tfdist import strategy as strategy_lib
+
+    timeline.start(process_group.for_strategy(strategy_lib.get_strategy()), cluster.worker_index)
 
 
 def _note_once(key: str, message: str) -> None:

@@ -26,6 +26,7 @@ import numbers
 import os
 import shutil
 import tempfile
+import time
 
 import keras
 import tensorflow as tf
@@ -38,7 +39,7 @@ from keras.src.callbacks.tensorboard import TensorBoard
 from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
-from tfdist import atomic_files, preemption, process_group
+from tfdist import atomic_files, events, preemption, process_group
 from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
@@ -96,10 +97,11 @@ def _save_on_every_worker_keep_the_chiefs(original, self, epoch, batch, logs):
     if not self._should_save_model(epoch, batch, logs, filepath):
         return
     save = self.model.save_weights if self.save_weights_only else self.model.save
-    rank = _workers(self.model)[0]
+    rank, began = _workers(self.model)[0], time.time()
     with atomic_files.worker_directory(os.path.dirname(os.path.abspath(filepath)), rank) as directory:
         atomic_files.atomic_write(lambda path: save(path, overwrite=True),
                                 os.path.join(directory, os.path.basename(filepath)))
+    events.span("save", f"ModelCheckpoint {os.path.basename(filepath)}", began)
     if self.verbose > 0 and rank == 0:
         print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
 
@@ -131,6 +133,7 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
     rank = _workers(self.model)[0]
     if not atomic_files.is_local(self.backup_dir):
         return original(self) if rank == 0 else None
+    began = time.time()
     with atomic_files.worker_directory(self.backup_dir, rank) as directory:
         weights = os.path.join(directory, os.path.basename(self._weights_path))
         metadata = os.path.join(directory, os.path.basename(self._training_metadata_path))
@@ -143,6 +146,8 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
             "epoch": self._current_epoch, "batch": self._last_batch_seen,
             STEPS_DONE: getattr(self, "_tfdist_steps_done", 0),
             callback_state.KEY: callback_state.snapshot(getattr(self, "_tfdist_callbacks", ()))}))
+    events.span("save", "BackupAndRestore", began, epoch=self._current_epoch,
+                steps_done=getattr(self, "_tfdist_steps_done", 0))
 
 
 @patch.replaces(BackupAndRestore, "on_train_begin", ("self", "logs"))

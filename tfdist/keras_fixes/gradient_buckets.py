@@ -29,7 +29,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.optimizers.multi_optimizer import MultiOptimizer
 
-from tfdist import buckets, patching, process_group
+from tfdist import buckets, patching, process_group, step_clock
 from tfdist import compression as compression_lib
 from tfdist.patching import Patch
 
@@ -53,10 +53,18 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
         buckets.check_agreement(process_group.for_strategy(strategy))
     gradients = [_dense(grads_and_vars[i][0]) for i in present]
     result = list(grads_and_vars)
-    for bucket in buckets.plan_tensors(gradients):
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [gradients[i] for i in bucket])
-        for i, gradient in zip(bucket, reduced):
-            result[present[i]] = (gradient, grads_and_vars[present[i]][1])
+
+    def reduce_buckets(on_ready, on_reduced):
+        summed = []
+        for b, bucket in enumerate(buckets.plan_tensors(gradients)):
+            tensors = on_ready(b, [gradients[i] for i in bucket], sum(buckets.nbytes(gradients[i]) for i in bucket))
+            reduced = on_reduced(b, context.all_reduce(tf.distribute.ReduceOp.SUM, tensors))
+            for i, gradient in zip(bucket, reduced):
+                result[present[i]] = (gradient, grads_and_vars[present[i]][1])
+            summed += reduced
+        return summed
+
+    step_clock.buckets_timed(gradients, reduce_buckets)  # the step's times (tfdist.step_clock)
     return result
 
 

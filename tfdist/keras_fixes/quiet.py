@@ -3,8 +3,8 @@
 Keras 3's ``fit`` defaults to ``shuffle=True`` and then warns on every call whose data ignores
 it ("`shuffle=True` was passed, but will be ignored since the data `x` was provided as a
 tf.data.Dataset"), on every worker, though the caller passed no ``shuffle``. Here a ``fit`` whose
-caller did not pass ``shuffle`` and whose data is a ``tf.data.Dataset`` or a Python generator
-(data that Keras never shuffles) runs with ``shuffle=False``: the same training, no warning. A
+caller did not pass ``shuffle`` and whose data is a ``tf.data.Dataset`` (a distributed one too) or
+a Python generator (data that Keras never shuffles) runs with ``shuffle=False``: the same training, no warning. A
 ``shuffle=True`` the caller did pass still warns.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import inspect
 
-import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.trainers import data_adapters
 
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
@@ -28,7 +28,7 @@ patch = Patch(
 def _fit_without_an_unasked_shuffle(original, self, *args, **kwargs):
     bound = inspect.signature(original).bind(self, *args, **kwargs)
     data = bound.arguments.get("x")
-    if "shuffle" not in bound.arguments and (isinstance(data, tf.data.Dataset) or inspect.isgenerator(data)):
+    if "shuffle" not in bound.arguments and (data_adapters.is_tf_dataset(data) or inspect.isgenerator(data)):
         bound.arguments["shuffle"] = False  # Keras ignores it for such data; it only warns
         args, kwargs = bound.args[1:], bound.kwargs
     return original(self, *args, **kwargs)

@@ -32,7 +32,7 @@ from keras.src.trainers import trainer as trainer_module
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import python_utils
 
-from tfdist import process_group, state
+from tfdist import process_group, state, step_clock
 from tfdist.keras_fixes.signatures import COMPILE_PARAMETERS, FIT_PARAMETERS
 from tfdist.patching import Patch
 
@@ -44,6 +44,7 @@ patch = Patch(
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "_make_function", ("self", "step_function"))
 def _steps_traced_inline(original, self, step_function):
+    step_function = _clocked(step_function)
     keras_function = original(self, step_function)
     steps = self.steps_per_execution
     if steps == 1 or self.run_eagerly or self.jit_compile:
@@ -75,6 +76,15 @@ def _steps_traced_inline(original, self, step_function):
         return keras_function(iterator)
 
     return function
+
+
+def _clocked(step_function):
+    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start)."""
+    def step(data):
+        step_clock.step_starts(data)
+        return step_function(data)
+
+    return step
 
 
 # The last call of an epoch runs only the steps left ---------------------------------------------------

@@ -75,6 +75,8 @@ def worker_env(addresses: Sequence[str], index: int, settings: WorkerSettings, r
         env[cluster.ENV_HOROVOD] = "1"
     if settings.hang_timeout is not None:
         env[cluster.ENV_HANG_TIMEOUT] = f"{settings.hang_timeout:g}"
+    if settings.timeline is not None:
+        env[cluster.ENV_TIMELINE] = settings.timeline
     if settings.grace_period is not None:
         env[cluster.ENV_GRACE_PERIOD] = f"{settings.grace_period:g}"
     if settings.hide_tf_logs:

@@ -57,6 +57,7 @@ class WorkerSettings:
             one per job unless the environment names it).
         hang_timeout: ``cluster.ENV_HANG_TIMEOUT`` for every worker (``--hang-timeout``; None: as set here).
         grace_period: ``cluster.ENV_GRACE_PERIOD`` for every worker (``job_settings`` sets the launcher's).
+        timeline: ``cluster.ENV_TIMELINE`` for every worker (``--timeline``; None: as set here).
     """
 
     cpu_devices: int | None = None
@@ -66,6 +67,7 @@ class WorkerSettings:
     job_dir: str | None = None
     hang_timeout: float | None = None
     grace_period: float | None = None
+    timeline: str | None = None
 
 
 @dataclasses.dataclass

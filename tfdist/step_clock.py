@@ -1,0 +1,188 @@
+"""Each training step's times, taken inside the step itself and kept in a ring per process.
+
+A multi-worker step waits for its slowest worker, so its wall time says nothing about who was
+slow. Here the step's graph reads the clock (``tf.timestamp``, wall time in seconds) where a
+worker's own work ends and its waiting begins, and writes one row per step into a ring of
+``RING_STEPS`` rows kept in a variable of this process (not the strategy's: it is never
+synchronised). Columns (``COLUMNS``), each a time in seconds or NaN where the step did not
+pass that point:
+
+* ``input_start``, ``input_end``: this worker asking its own input pipeline for the step's
+  batch, and getting it (``tfdist.tf_fixes``: around tf.distribute's per-worker ``get_next``;
+  a worker whose pipeline is slow waits here);
+* ``data``: the batch of every worker ready (tf.distribute agrees on "has data" across workers
+  first: a worker waits there for a slower one's input) and the replica's step starting;
+* ``first_ready``: the first gradient bucket ready (the backward pass has begun);
+* ``grads``: every gradient ready (forward and backward done);
+* ``reduced``: every bucket all-reduced;
+* per bucket ``b``: ``ready_b`` and ``reduced_b``, and its bytes in ``BUCKET_BYTES`` (launch order);
+* ``step``: the step's number in this process (from 0).
+
+A step that ``tfdist.keras_fixes.gradient_buckets`` all-reduces (Keras' ``fit``, a custom loop
+that calls ``apply_gradients``) writes its row; the input columns come from the same step's
+``get_next``. Under several local replicas only the first one's times are kept. The cost is
+a few clock reads and two small writes per step (``benchmarks/timeline.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # private: a variable no strategy scope intercepts
+
+RING_STEPS = 256
+MAX_BUCKETS = 16  # buckets past it are folded into the last one's columns
+COLUMNS = ("step", "input_start", "input_end", "data", "first_ready", "grads", "reduced") + tuple(
+    f"{kind}_{b}" for b in range(MAX_BUCKETS) for kind in ("ready", "reduced"))
+INDEX = {name: i for i, name in enumerate(COLUMNS)}
+_STEP_COLUMNS = [i for name, i in INDEX.items() if name not in ("input_start", "input_end")]
+
+_lock = threading.Lock()
+_ring: tf.Variable | None = None      # [RING_STEPS, len(COLUMNS)] float64
+_counter: tf.Variable | None = None   # steps written so far (int64)
+_anchor: tf.Variable | None = None    # read by every clock read (see ``_now_after``)
+_bucket_bytes: list[int] = []         # of the last traced plan, in launch order
+_local = threading.local()            # the step being traced in this thread (a replica's)
+
+
+def _variables() -> tuple[tf.Variable, tf.Variable, tf.Variable]:
+    """The ring, its counter and the clock's anchor (0.0, never written), made once, eagerly, outside any strategy."""
+    global _ring, _counter, _anchor
+    with _lock:
+        if _ring is None:
+            with tf.init_scope():
+                _ring = resource_variable_ops.ResourceVariable(
+                    tf.fill([RING_STEPS, len(COLUMNS)], tf.constant(np.nan, tf.float64)), trainable=False,
+                    name="tfdist_step_clock")
+                _counter = resource_variable_ops.ResourceVariable(
+                    tf.constant(0, tf.int64), trainable=False, name="tfdist_step_clock_counter")
+                _anchor = resource_variable_ops.ResourceVariable(
+                    tf.constant(0.0, tf.float64), trainable=False, name="tfdist_step_clock_anchor")
+        return _ring, _counter, _anchor
+
+
+def _now_after(tensors=()) -> tf.Tensor:
+    """The clock, read once every tensor of ``tensors`` exists.
+
+    A control dependency is not enough: Grappler drops those of a ``Timestamp``, and TensorFlow runs
+    every stateful op that uses no resource (a ``Timestamp`` among them) in program order, so one
+    clock read would wait for another. Here the clock is read in a ``tf.cond`` whose predicate reads
+    one element of each tensor (the read waits for all of them), and whose branch reads a variable
+    (``_anchor``: an op that uses a resource is ordered only with that resource's writes, and it
+    has none).
+    """
+    anchor = _variables()[2]
+    firsts = [tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float64)) for t in tf.nest.flatten(tensors)
+              if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_bool)]
+    predicate = tf.math.is_nan(tf.add_n(firsts)) if firsts else tf.constant(False)
+
+    def read() -> tf.Tensor:
+        return tf.timestamp() + anchor.read_value()
+
+    return tf.cond(predicate, read, read)
+
+
+def input_times(get_next):
+    """``get_next()``'s result, with the clock read around it into the current row (in a traced step only)."""
+    if tf.executing_eagerly():
+        return get_next()
+    ring, counter, _ = _variables()
+    start = _now_after()
+    with tf.control_dependencies([start]):
+        result = get_next()
+    end = _now_after([r.has_value() if hasattr(r, "has_value") else r for r in tf.nest.flatten(result)])
+    row = tf.math.floormod(counter.read_value(), RING_STEPS)
+    ring.scatter_nd_update(tf.stack([[row, INDEX["input_start"]], [row, INDEX["input_end"]]]), tf.stack([start, end]))
+    return result
+
+
+class _Step:
+    """The times of the step a replica traces, collected until its row is written."""
+
+    def __init__(self, data: tf.Tensor | None):
+        self.times: dict[str, tf.Tensor] = {} if data is None else {"data": data}
+
+
+def step_starts(data) -> None:
+    """Notes, while tracing a replica's step, that its batch ``data`` is ready (the step's start)."""
+    if not tf.executing_eagerly() and _first_local_replica():
+        _local.step = _Step(_now_after(data))
+
+
+def buckets_timed(gradients: list, reduce_buckets) -> list:
+    """Runs ``reduce_buckets(on_ready, on_reduced)`` and writes the step's row (in a traced step of the first local
+    replica only; else just runs it). ``on_ready(b, tensors)`` / ``on_reduced(b, tensors)`` return ``tensors``
+    once the clock was read after them; the bytes of bucket ``b`` come with ``on_ready``'s ``nbytes``."""
+    if tf.executing_eagerly() or not _first_local_replica():
+        return reduce_buckets(lambda b, tensors, nbytes=0: tensors, lambda b, tensors: tensors)
+    step = getattr(_local, "step", None) or _Step(None)
+    _local.step = None
+    sizes: list[int] = []
+    step.times["grads"] = _now_after(gradients)
+
+    def on_ready(b: int, tensors: list, nbytes: int = 0) -> list:
+        b = min(b, MAX_BUCKETS - 1)
+        if b == len(sizes):
+            sizes.append(0)
+        sizes[b] += nbytes
+        now = _now_after(tensors)
+        step.times.setdefault("first_ready", now)
+        step.times.setdefault(f"ready_{b}", now)
+        return tensors
+
+    def on_reduced(b: int, tensors: list) -> list:
+        step.times[f"reduced_{min(b, MAX_BUCKETS - 1)}"] = _now_after(tensors)
+        return tensors
+
+    reduced = reduce_buckets(on_ready, on_reduced)
+    step.times["reduced"] = _now_after(reduced)
+    _bucket_bytes[:] = sizes
+    _write(step)
+    return reduced
+
+
+def _write(step: _Step) -> None:
+    ring, counter, _ = _variables()
+    number = counter.read_value()
+    nan = tf.constant(np.nan, tf.float64)
+    values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan)
+              for name in COLUMNS if INDEX[name] in _STEP_COLUMNS]
+    row = tf.math.floormod(number, RING_STEPS)
+    ring.scatter_nd_update(tf.stack([[row, column] for column in _STEP_COLUMNS]), tf.stack(values))
+    counter.assign_add(1)
+
+
+def _first_local_replica() -> bool:
+    """Whether the replica being traced is this process's first (or the only one)."""
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return True
+    strategy = context.strategy
+    devices = getattr(strategy.extended, "worker_devices", None) or ()
+    return not devices or len(devices) == 1 or tf.nest.flatten(context.devices)[0] == devices[0]
+
+
+def count() -> int:
+    """Steps written so far in this process."""
+    return 0 if _counter is None else int(_counter.numpy())
+
+
+def rows(since: int = 0) -> np.ndarray:
+    """This process's rows of steps numbered ``since`` and later that the ring still holds, oldest first."""
+    if _ring is None:
+        return np.zeros((0, len(COLUMNS)))
+    written = count()
+    table = _ring.numpy()
+    if written > RING_STEPS:
+        start = written % RING_STEPS
+        table = np.concatenate([table[start:], table[:start]])
+    else:
+        table = table[:written]
+    return table[table[:, INDEX["step"]] >= since]
+
+
+def bucket_bytes() -> list[int]:
+    """The bytes of each bucket of the last traced plan, in launch order."""
+    return list(_bucket_bytes)

@@ -1,0 +1,96 @@
+"""Which worker makes a multi-worker job slow, and why: each worker's medians, and one verdict.
+
+In synchronous training every worker's step takes as long as the slowest worker's, so step
+times say nothing about who was slow. ``summarize`` reads this worker's step clock
+(``tfdist.step_clock``) and splits its median step into its *own work* (waiting for its own
+input pipeline, then forward and backward) and *waiting for the others* (for every worker's
+batch, then for the all-reduce's end). ``verdict`` compares own work across workers: a
+worker whose own work takes over ``SLOWER`` (15%) longer than the fastest worker's, and
+``MIN_MS`` more a step, is named, with the part that grew (input or compute). Numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SLOWER = 0.15
+MIN_MS = 1.0
+MIN_STEPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """One worker's medians over ``steps`` steps, in milliseconds a step."""
+
+    rank: int
+    host: str
+    steps: int
+    step_ms: float     # from one step's start to the next's
+    input_ms: float    # waiting for its own input pipeline
+    compute_ms: float  # forward and backward: its batch ready to every gradient ready
+    wait_ms: float     # waiting for the others: every worker's batch, then the all-reduce's end
+
+    @property
+    def own_ms(self) -> float:
+        return self.input_ms + self.compute_ms
+
+
+def summarize(rows: np.ndarray, columns: dict[str, int], rank: int, host: str) -> Summary | None:
+    """The medians of ``rows`` (``step_clock`` rows; ``columns``: name -> index), or None under MIN_STEPS steps."""
+    def column(name: str) -> np.ndarray:
+        return rows[:, columns[name]] if len(rows) else np.zeros(0)
+
+    complete = ~np.isnan(column("input_start")) & ~np.isnan(column("data")) & ~np.isnan(column("reduced"))
+    if complete.sum() < MIN_STEPS:
+        return None
+    rows = rows[complete]
+    period = np.diff(column("input_start"))
+    period = period[period > 0]
+
+    def median_ms(values: np.ndarray) -> float:
+        return float(np.median(values) * 1e3) if len(values) else float("nan")
+
+    return Summary(rank, host, int(len(rows)), median_ms(period),
+                   median_ms(column("input_end") - column("input_start")),
+                   median_ms(column("grads") - column("data")),
+                   median_ms((column("data") - column("input_end")) + (column("reduced") - column("grads"))))
+
+
+def verdict(summaries: list[Summary]) -> list[tuple[Summary, str]]:
+    """The workers slower than the fastest one, slowest first, each with why (a phrase)."""
+    if len(summaries) < 2:
+        return []
+    best = min(summaries, key=lambda s: s.own_ms)
+    named = []
+    for summary in sorted(summaries, key=lambda s: s.own_ms, reverse=True):
+        excess = summary.own_ms - best.own_ms
+        if excess <= MIN_MS or excess <= SLOWER * best.own_ms:
+            continue
+        input_share = (summary.input_ms - best.input_ms) / excess
+        cause = "waiting for its input" if input_share >= 0.5 else "computing"
+        share = input_share if input_share >= 0.5 else 1 - input_share
+        named.append((summary, f"{excess / best.own_ms:.0%} slower than the fastest worker (own work "
+                               f"{summary.own_ms:.1f} ms a step against {best.own_ms:.1f}); {min(share, 1):.0%} "
+                               f"of it {cause}"))
+    return named
+
+
+def report(summaries: list[Summary], size: int, what: str) -> list[str]:
+    """The lines worker 0 prints about ``what`` ("fit", "the last 5 minutes"): a verdict line, and each
+    worker's line when one is named."""
+    summaries = sorted(summaries, key=lambda s: s.rank)
+    missing = sorted(set(range(size)) - {s.rank for s in summaries})
+    if len(summaries) < 2:
+        return []
+    step = np.median([s.step_ms for s in summaries])
+    head = (f"tfdist: {what}: {len(summaries)} workers, {step:.1f} ms a step (medians of the last "
+            f"{min(s.steps for s in summaries)} steps)" + (f"; no steps from worker(s) {missing}" if missing else ""))
+    named = verdict(summaries)
+    if not named:
+        return [f"{head}; no straggler (every worker's own work within {SLOWER:.0%} of the fastest)"]
+    lines = [f"{head}; straggler: " + "; ".join(f"worker {s.rank} on host {s.host}: {why}" for s, why in named)]
+    lines += [f"  worker {s.rank} ({s.host}): input {s.input_ms:.1f} ms, compute {s.compute_ms:.1f} ms, waiting for "
+              f"the others {s.wait_ms:.1f} ms" for s in summaries]
+    return lines
