@@ -5,6 +5,7 @@ with Horovod's own import line put back (``import horovod.tensorflow as hvd``) u
 ``tfdist run --horovod``: the script a Horovod user already has.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -84,12 +85,19 @@ def test_unchanged_horovod_custom_loop_script_runs_under_tfdist_run_horovod(tmp_
     shutil.copy(EXAMPLES / "mnist_like.py", tmp_path)
     assert "import tfdist" not in script.read_text() and horovod_line in script.read_text()
     result = run_job("horovod_example_job.py", tmp_path / "out", str(script), "--steps", "60", "--batch-size", "16",
-                     "--checkpoint-dir", str(tmp_path / "ckpt"), launcher_args=("--horovod",), timeout=TIMEOUT).check()
+                     "--checkpoint-dir", str(tmp_path / "ckpt"), launcher_args=("--horovod",), timeout=TIMEOUT,
+                     env={"HOROVOD_TIMELINE": str(tmp_path / "timeline.json")}).check()
     assert result.results[0]["final_weights"] == result.results[1]["final_weights"]
     losses = [float(line.split("Loss: ")[1]) for line in result.output.splitlines() if line.startswith("[0] Step #")]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert "[1] Step" not in result.output
     assert (tmp_path / "ckpt" / "ckpt-1.index").exists()
+    # HOROVOD_TIMELINE: rank 0 wrote tfdist's timeline (at exit): both ranks' tape steps and their buckets' all-reduces
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        steps = [e for e in spans if e["pid"] == rank and e["name"].startswith("step ")]
+        assert len(steps) >= 20 and sum(e["pid"] == rank and e["name"] == "bucket 0" for e in spans) == len(steps)
 
 
 @pytest.mark.parametrize("script, extra", [

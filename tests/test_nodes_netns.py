@@ -145,6 +145,21 @@ def test_nnodes_sbatch_starts_one_launcher_per_node(hosts, tmp_path):
     assert hosts_of == [hosts[0].address] * 2 + [hosts[1].address] * 2
 
 
+def test_the_timeline_of_two_nodes_aligns_their_clocks_within_the_bound_it_states(hosts, tmp_path):
+    trace_path = tmp_path / "trace.json"
+    worker = [sys.executable, str(WORKERS / "straggler_job.py"), str(tmp_path), "balanced"]
+    results, _ = run_on_hosts(hosts, worker, "--timeline", str(trace_path))
+    assert [r.returncode for r in results] == [0, 0], [r.output[-3000:] for r in results]
+    trace = json.loads(trace_path.read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
+    bound, offsets = trace["otherData"]["clock_bound_ms"], trace["otherData"]["clock_offsets_ms"]
+    assert 0 < bound < 20 and offsets["0"] == 0
+    assert abs(offsets["1"]) <= bound  # one kernel's clock: the true offset is 0
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("step ")]
+    assert len(steps) == 2 * 24
+
+
 def test_namespaces_links_and_their_processes_are_removed_even_after_a_failure(hosts):
     """(Uses the module's hosts only to know namespaces work; makes a second pair of its own.)"""
     with pytest.raises(RuntimeError, match="the test failed"):

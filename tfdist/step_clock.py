@@ -19,9 +19,10 @@ pass that point:
 * ``step``: the step's number in this process (from 0).
 
 A step that ``tfdist.keras_fixes.gradient_buckets`` all-reduces (Keras' ``fit``, a custom loop
-that calls ``apply_gradients``) writes its row; the input columns come from the same step's
-``get_next``. Under several local replicas only the first one's times are kept. The cost is
-a few clock reads and two small writes per step (``benchmarks/timeline.py``).
+that calls ``apply_gradients``) writes its row, in one write, its input times included (those of
+the ``get_next`` traced just before it: the step's batch). Under several local replicas only the
+first one's times are kept. The cost is a few clock reads and one small write per step
+(``benchmarks/timeline.py``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ MAX_BUCKETS = 16  # buckets past it are folded into the last one's columns
 COLUMNS = ("step", "input_start", "input_end", "data", "first_ready", "grads", "reduced") + tuple(
     f"{kind}_{b}" for b in range(MAX_BUCKETS) for kind in ("ready", "reduced"))
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
-_STEP_COLUMNS = [i for name, i in INDEX.items() if name not in ("input_start", "input_end")]
 
 _lock = threading.Lock()
 _ring: tf.Variable | None = None      # [RING_STEPS, len(COLUMNS)] float64
 _counter: tf.Variable | None = None   # steps written so far (int64)
 _anchor: tf.Variable | None = None    # read by every clock read (see ``_now_after``)
 _bucket_bytes: list[int] = []         # of the last traced plan, in launch order
+_inputs: list = []                    # the input times traced and not yet written: the step traced next takes them
 _local = threading.local()            # the step being traced in this thread (a replica's)
 
 
@@ -85,16 +86,15 @@ def _now_after(tensors=()) -> tf.Tensor:
 
 
 def input_times(get_next):
-    """``get_next()``'s result, with the clock read around it into the current row (in a traced step only)."""
+    """``get_next()``'s result, the clock read around it (in a traced step only): the next row written takes them."""
     if tf.executing_eagerly():
         return get_next()
-    ring, counter, _ = _variables()
     start = _now_after()
     with tf.control_dependencies([start]):
         result = get_next()
     end = _now_after([r.has_value() if hasattr(r, "has_value") else r for r in tf.nest.flatten(result)])
-    row = tf.math.floormod(counter.read_value(), RING_STEPS)
-    ring.scatter_nd_update(tf.stack([[row, INDEX["input_start"]], [row, INDEX["input_end"]]]), tf.stack([start, end]))
+    with _lock:
+        _inputs.append((start, end))  # traced just before the step that uses the batch (program order)
     return result
 
 
@@ -103,6 +103,10 @@ class _Step:
 
     def __init__(self, data: tf.Tensor | None):
         self.times: dict[str, tf.Tensor] = {} if data is None else {"data": data}
+        with _lock:
+            if _inputs:
+                self.times["input_start"], self.times["input_end"] = _inputs.pop()
+            _inputs.clear()
 
 
 def step_starts(data) -> None:
@@ -144,14 +148,13 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
 
 
 def _write(step: _Step) -> None:
+    """One row, one write: the step's number and every time it took (NaN where it has none)."""
     ring, counter, _ = _variables()
-    number = counter.read_value()
+    number = counter.assign_add(1) - 1
     nan = tf.constant(np.nan, tf.float64)
-    values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan)
-              for name in COLUMNS if INDEX[name] in _STEP_COLUMNS]
-    row = tf.math.floormod(number, RING_STEPS)
-    ring.scatter_nd_update(tf.stack([[row, column] for column in _STEP_COLUMNS]), tf.stack(values))
-    counter.assign_add(1)
+    values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan) for name in COLUMNS]
+    ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), column] for column in range(len(COLUMNS))]),
+                           tf.stack(values))
 
 
 def _first_local_replica() -> bool:
@@ -159,9 +162,11 @@ def _first_local_replica() -> bool:
     context = tf.distribute.get_replica_context()
     if context is None:
         return True
-    strategy = context.strategy
-    devices = getattr(strategy.extended, "worker_devices", None) or ()
-    return not devices or len(devices) == 1 or tf.nest.flatten(context.devices)[0] == devices[0]
+    try:
+        devices = context.strategy.extended.worker_devices
+    except (AttributeError, RuntimeError):  # the default strategy has none: one replica
+        return True
+    return len(devices) <= 1 or tf.nest.flatten(context.devices)[0] == devices[0]
 
 
 def count() -> int:

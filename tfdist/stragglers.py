@@ -6,7 +6,9 @@ times say nothing about who was slow. ``summarize`` reads this worker's step clo
 input pipeline, then forward and backward) and *waiting for the others* (for every worker's
 batch, then for the all-reduce's end). ``verdict`` compares own work across workers: a
 worker whose own work takes over ``SLOWER`` (15%) longer than the fastest worker's, and
-``MIN_MS`` more a step, is named, with the part that grew (input or compute). Numpy only.
+``MIN_MS`` more a step, and whose steps are slower than most of the fastest worker's (its own
+work's 25th percentile above the fastest one's 75th: noise on a shared machine is not), is
+named, with the part that grew (input or compute). Numpy only.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Summary:
     input_ms: float    # waiting for its own input pipeline
     compute_ms: float  # forward and backward: its batch ready to every gradient ready
     wait_ms: float     # waiting for the others: every worker's batch, then the all-reduce's end
+    own_low_ms: float = float("nan")   # own work (input + compute): its steps' 25th percentile
+    own_high_ms: float = float("nan")  # and 75th
 
     @property
     def own_ms(self) -> float:
@@ -52,10 +56,12 @@ def summarize(rows: np.ndarray, columns: dict[str, int], rank: int, host: str) -
     def median_ms(values: np.ndarray) -> float:
         return float(np.median(values) * 1e3) if len(values) else float("nan")
 
+    own = (column("input_end") - column("input_start")) + (column("grads") - column("data"))
     return Summary(rank, host, int(len(rows)), median_ms(period),
                    median_ms(column("input_end") - column("input_start")),
                    median_ms(column("grads") - column("data")),
-                   median_ms((column("data") - column("input_end")) + (column("reduced") - column("grads"))))
+                   median_ms((column("data") - column("input_end")) + (column("reduced") - column("grads"))),
+                   float(np.percentile(own, 25) * 1e3), float(np.percentile(own, 75) * 1e3))
 
 
 def verdict(summaries: list[Summary]) -> list[tuple[Summary, str]]:
@@ -66,8 +72,8 @@ def verdict(summaries: list[Summary]) -> list[tuple[Summary, str]]:
     named = []
     for summary in sorted(summaries, key=lambda s: s.own_ms, reverse=True):
         excess = summary.own_ms - best.own_ms
-        if excess <= MIN_MS or excess <= SLOWER * best.own_ms:
-            continue
+        if excess <= MIN_MS or excess <= SLOWER * best.own_ms or summary.own_low_ms <= best.own_high_ms:
+            continue  # a small difference, or steps that overlap the fastest worker's: noise
         input_share = (summary.input_ms - best.input_ms) / excess
         cause = "waiting for its input" if input_share >= 0.5 else "computing"
         share = input_share if input_share >= 0.5 else 1 - input_share

@@ -15,17 +15,18 @@ its rank), with lanes
 * ``host``: checkpoint saves, agreed stops, eager collectives, autotune trials, the job's attempt,
   the straggler report.
 
-Steps come from ``tfdist.step_clock`` (its ring: the last ``RING_STEPS`` steps of each worker),
+The timeline thread starts with each worker's multi-worker strategy and sleeps until a timeline is
+asked for (the variables, or ``hvd.start_timeline`` at any time). Steps come from ``tfdist.step_clock`` (its ring: the last ``RING_STEPS`` steps of each worker),
 host events from ``tfdist.events``. Each worker's timeline thread publishes its part in the
 coordination service's store after every ``fit`` and every ``PERIOD_S`` seconds (and at exit);
 worker 0's merges them and rewrites FILE (atomically): a days-long job keeps a bounded file of its
 latest steps, and training never waits for it.
 
-Clocks: each worker's times are wall-clock seconds of its own host. At the first ``fit`` the
-workers measure their offsets from worker 0's clock (``measure_offsets``: rounds of an
-all-reduce, each worker reading its clock as it returns); every time is shifted by its worker's
-offset. The trace says how close that is (``otherData.clock_bound_ms``: one all-reduce's
-return spread, about a millisecond on one machine or a fast network).
+Clocks: each worker's times are wall-clock seconds of its own host. When a timeline is first asked
+for, each worker measures its clock's offset from worker 0's through the store, as NTP does
+(``_measure_offset``); every time is shifted by its worker's offset. The trace says by how much
+(``otherData.clock_offsets_ms``) and how close that is (``otherData.clock_bound_ms``: half the
+quickest round trip to worker 0; a few milliseconds on one machine or a fast network).
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ ENV = cluster.ENV_TIMELINE
 ENV_HOROVOD = "HOROVOD_TIMELINE"
 PERIOD_S = 30.0
 COLLECT_S = 10.0
+ROUNDS = 5
 _KEY = "tfdist/timeline/"
 _LANES = {"steps": 1, "input": 2, "compute": 3, "all-reduce": 4, "host": 5}
 
 _path: str | None = None  # hvd.start_timeline's, over the environment's
-_offset, _bound_ms = 0.0, float("nan")  # this worker's clock minus worker 0's; the alignment's bound
+_offset: float | None = None  # this worker's clock minus worker 0's (seconds), once measured
+_bound_ms = float("nan")  # how far off that may be
 _started = False
 _fits = 0  # fits ended so far (every worker's the same count): how recent a part is
 _wake = threading.Event()
 _publishing = threading.Lock()
+_measuring = threading.Lock()
 
 
 def path() -> str | None:
@@ -70,44 +74,68 @@ def set_path(value: str | None) -> None:
     _path = value
 
 
-def measure_offsets(group, rounds: int = 5) -> tuple[float, float]:
-    """This worker's clock minus worker 0's, and the bound of that estimate in ms (``group``: a ProcessGroup).
+def _measure_offset(rank: int, size: int) -> tuple[float, float]:
+    """This worker's clock minus worker 0's, and the estimate's bound, in seconds and ms (worker 0: (0, nan)).
 
-    Each round every worker reads its clock before and after an all-reduce; every worker's return
-    comes once the last one joined, within the round's shortest duration of one another. The round
-    whose slowest return came soonest after its last join gives the offsets.
+    Through the store, as NTP does: a worker asks worker 0 for its clock ``ROUNDS`` times; worker 0's
+    timeline thread answers each ask as it reads it. An answer read ``rtt`` after the ask was taken
+    within that window, so the estimate from the middle of the window is off by at most ``rtt / 2``;
+    the round with the shortest ``rtt`` is kept.
     """
-    import tensorflow as tf
+    deadline = time.monotonic() + COLLECT_S
+    if rank == 0:
+        for peer in range(1, size):
+            for round_ in range(ROUNDS):
+                if kvstore.wait_for(f"{_KEY}clock/{peer}/{round_}/ask", deadline) is None:
+                    break
+                kvstore.put(f"{_KEY}clock/{peer}/{round_}/answer", repr(time.time()))
+        return 0.0, float("nan")
+    best = (float("inf"), 0.0)
+    for round_ in range(ROUNDS):
+        sent = time.time()
+        kvstore.put(f"{_KEY}clock/{rank}/{round_}/ask", "1")
+        answer = kvstore.wait_for(f"{_KEY}clock/{rank}/{round_}/answer", deadline)
+        got = time.time()
+        if answer is None:
+            break
+        best = min(best, (got - sent, (sent + got) / 2 - float(answer)))
+    return best[1], best[0] / 2 * 1e3
 
-    marks = []
-    for _ in range(rounds):
-        before = time.time()
-        group.allreduce(tf.constant([0.0]), device="CPU")
-        marks.append([before, time.time()])
-    everyone = group.allgather(tf.constant([marks], tf.float64), device="CPU").numpy()  # [size, rounds, 2]
-    durations = everyone[:, :, 1] - everyone[:, :, 0]
-    best = int(np.argmin(durations.max(axis=0)))
-    offsets = everyone[:, best, 1] - everyone[0, best, 1]
-    return float(offsets[group.rank]), float(durations[:, best].min() * 1e3)
 
-
-def start(group, rank: int) -> None:
-    """At the first ``fit`` of a multi-worker job with a timeline: the clock offsets, then the publishing thread."""
-    global _started, _offset, _bound_ms
-    if _started or path() is None:
+def start(rank: int, size: int) -> None:
+    """In a multi-worker process (once, as its strategy is built): the timeline thread, idle until a timeline is
+    asked for (the environment, ``hvd.start_timeline``)."""
+    global _started
+    if _started or size < 2:
         return
     _started = True
-    _offset, _bound_ms = measure_offsets(group)
-    attempt = os.environ.get("TFDIST_RESTART", "0")
-    events.instant("job", f"attempt {attempt}: {group.size} workers", attempt=attempt, workers=group.size)
-    threading.Thread(target=_publisher, args=(rank, group.size), name="tfdist-timeline", daemon=True).start()
-    atexit.register(publish, rank, group.size)
+    threading.Thread(target=_publisher, args=(rank, size), name="tfdist-timeline", daemon=True).start()
+    atexit.register(_publish_at_exit, rank, size)
+    if path() is not None:
+        _wake.set()  # measure the clocks' offsets now, while every worker starts
 
 
-def publish_soon(fits: int) -> None:
-    """After ``fits`` fits: the publishing thread publishes now (not on the training thread)."""
+def _measure_once(rank: int, size: int) -> None:
+    """The clocks' offsets, the first time a timeline is asked for (every worker measures then)."""
+    global _offset, _bound_ms
+    with _measuring:
+        if _offset is None:
+            _offset, _bound_ms = _measure_offset(rank, size)
+            attempt = os.environ.get("TFDIST_RESTART", "0")
+            events.instant("job", f"attempt {attempt}: {size} workers", attempt=attempt, workers=size)
+
+
+def _publish_at_exit(rank: int, size: int) -> None:
+    """At the interpreter's exit: the last publication (a script that ends within ``PERIOD_S`` writes its file)."""
+    if path() is not None:
+        _measure_once(rank, size)
+        publish(rank, size)
+
+
+def publish_soon(fits: int | None = None) -> None:
+    """The timeline thread publishes now (not the training thread): after ``fits`` fits, or a new timeline path."""
     global _fits
-    _fits = fits
+    _fits = _fits if fits is None else fits
     _wake.set()
 
 
@@ -115,7 +143,10 @@ def _publisher(rank: int, size: int) -> None:
     while True:
         _wake.wait(PERIOD_S)
         _wake.clear()
+        if path() is None:
+            continue
         try:
+            _measure_once(rank, size)
             publish(rank, size)
         except Exception as error:  # noqa: BLE001  (a timeline must never stop training)
             print(f"tfdist timeline (worker {rank}): could not publish: {type(error).__name__}: {error}",
@@ -125,7 +156,7 @@ def _publisher(rank: int, size: int) -> None:
 def chunk(rank: int) -> dict:
     """This worker's part of the timeline."""
     rows = step_clock.rows()
-    return {"rank": rank, "host": socket.gethostname(), "offset": _offset, "bound_ms": _bound_ms, "fits": _fits,
+    return {"rank": rank, "host": socket.gethostname(), "offset": _offset or 0.0, "bound_ms": _bound_ms, "fits": _fits,
             "columns": list(step_clock.COLUMNS), "buckets": step_clock.bucket_bytes(),
             "rows": [[None if math.isnan(v) else v for v in row] for row in rows.tolist()],
             "events": [{"kind": e.kind, "name": e.name, "start": e.start, "end": e.end, "args": e.args}
@@ -168,7 +199,8 @@ def trace(parts: list[dict]) -> dict:
         found += _worker_events(part)
     bound = max((p["bound_ms"] for p in parts if p["bound_ms"] == p["bound_ms"]), default=float("nan"))
     return {"traceEvents": found, "displayTimeUnit": "ms",
-            "otherData": {"producer": "tfdist", "clock_bound_ms": None if math.isnan(bound) else round(bound, 3)}}
+            "otherData": {"producer": "tfdist", "clock_bound_ms": None if math.isnan(bound) else round(bound, 3),
+                          "clock_offsets_ms": {str(p["rank"]): round(p["offset"] * 1e3, 3) for p in parts}}}
 
 
 def _worker_events(part: dict) -> list[dict]:
@@ -179,14 +211,14 @@ def _worker_events(part: dict) -> list[dict]:
               for lane, tid in _LANES.items()]
 
     def span(lane: str, name: str, start, end, **args) -> None:
-        if start is not None and end is not None and end >= start:
+        if start is not None and end is not None:  # clock reads run a little late at times: never below 0
             found.append({"ph": "X", "pid": pid, "tid": _LANES[lane], "name": name, "ts": _us(start - offset),
-                          "dur": round((end - start) * 1e6, 1), "args": args})
+                          "dur": round(max(0.0, end - start) * 1e6, 1), "args": args})
 
     for row in part["rows"]:
         at = {name: row[i] for name, i in index.items()}
         step = int(at["step"]) if at["step"] is not None else -1
-        span("steps", f"step {step}", at["input_start"] or at["data"], at["reduced"], step=step)
+        span("steps", f"step {step}", at["input_start"] or at["data"] or at["first_ready"], at["reduced"], step=step)
         span("input", "own input", at["input_start"], at["input_end"])
         span("input", "every worker's batch", at["input_end"], at["data"])
         span("compute", "forward", at["data"], at["first_ready"])
@@ -196,7 +228,7 @@ def _worker_events(part: dict) -> list[dict]:
             ready, done = at.get(f"ready_{b}"), at.get(f"reduced_{b}")
             if ready is None or done is None:
                 continue
-            begin = max(ready, previous) if previous is not None else ready
+            begin = min(max(ready, previous if previous is not None else ready), done)
             hidden = max(0.0, min(done, at["grads"] or begin) - begin)
             span("all-reduce", f"bucket {b}", begin, done, bytes=nbytes, hidden_ms=round(hidden * 1e3, 3),
                  exposed_ms=round((done - begin - hidden) * 1e3, 3), queued_ms=round((begin - ready) * 1e3, 3))

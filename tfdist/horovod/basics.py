@@ -304,11 +304,11 @@ def gpu_available(ext_base_name: str = "tensorflow", verbose: bool = False) -> b
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts tfdist's timeline (``tfdist.timeline``): rank 0 writes ``file_path``, a Chrome trace of every rank's
-    steps, input, compute and gradient all-reduces. Call it on every rank (it measures the ranks' clock offsets
-    with a few collectives). ``mark_cycles`` is accepted (tfdist has no cycles)."""
+    steps, input, compute and gradient all-reduces, now and every half minute. Call it on every rank (as
+    ``HOROVOD_TIMELINE`` is set for every rank). ``mark_cycles`` is accepted (tfdist has no cycles)."""
     _cluster("start_timeline")
     timeline.set_path(file_path)
-    start_timeline_if_asked()
+    timeline.publish_soon()
 
 
 def stop_timeline() -> None:
@@ -317,17 +317,6 @@ def stop_timeline() -> None:
     if timeline.path() is not None and cluster.is_multi_worker:
         timeline.publish(cluster.worker_index, cluster.num_workers)
     timeline.set_path(None)
-
-
-def start_timeline_if_asked() -> None:
-    """With a timeline path (``start_timeline``, HOROVOD_TIMELINE, TFDIST_TIMELINE) in a multi-worker job: starts it
-    (once). ``hvd.broadcast_variables`` calls it (every rank does, at the same point; ``init`` starts nothing)."""
-    cluster = _state.cluster
-    if timeline.path() is None or cluster is None or not cluster.is_multi_worker:
-        return
-    from tfdist import strategy as strategy_lib
-
-    timeline.start(process_group.for_strategy(strategy_lib.get_strategy()), cluster.worker_index)
 
 
 def _note_once(key: str, message: str) -> None:

@@ -16,7 +16,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.compression import Compression
-from tfdist.horovod import basics
 from tfdist.horovod.basics import (REDUCE_OPS, Adasum, Average, Sum, _cluster, global_process_set, group_of,
                                    local_rank, local_size, rank, size)
 
@@ -120,8 +119,6 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     """Assigns rank ``root_rank``'s values to ``variables`` on every rank (one collective per dtype)."""
     variables = list(variables)
     group = group_of(process_set, "broadcast_variables")
-    if process_set is global_process_set and tf.executing_eagerly():
-        basics.start_timeline_if_asked()  # HOROVOD_TIMELINE: every rank is here
     values = group.grouped_broadcast([tf.convert_to_tensor(v) for v in variables], group.root_index(root_rank))
     for variable, value in zip(variables, values):
         variable.assign(value)

@@ -27,7 +27,7 @@ import keras
 import tensorflow as tf
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-from tfdist import buckets
+from tfdist import buckets, step_clock
 from tfdist import compression as compression_lib
 from tfdist import optimizer as optimizer_lib
 from tfdist import process_group
@@ -155,14 +155,24 @@ class GradientReduction:
             plan = buckets.plan([buckets.nbytes(t) for t in tensors])
         plan = plan or [[]]
         reduced: list = [None] * len(tensors)
-        for number, bucket in enumerate(plan):
-            extra = flags if number == 0 else []  # the join flag travels with the first bucket
-            out = group.grouped_allreduce([tensors[i] for i in bucket] + extra, self.op, self.prescale,
-                                          self.postscale, self.compression, keys=self._keys(number))
-            for i, value in zip(bucket, out):
-                reduced[i] = value
-            if extra:
-                count = out[-1]
+        joined_count = []
+
+        def reduce_buckets(on_ready, on_reduced):
+            summed = []
+            for number, bucket in enumerate(plan):
+                extra = flags if number == 0 else []  # the join flag travels with the first bucket
+                inputs = on_ready(number, [tensors[i] for i in bucket], sum(buckets.nbytes(tensors[i]) for i in bucket))
+                out = on_reduced(number, group.grouped_allreduce(inputs + extra, self.op, self.prescale,
+                                                                 self.postscale, self.compression,
+                                                                 keys=self._keys(number)))
+                for i, value in zip(bucket, out):
+                    reduced[i] = value
+                joined_count.extend(out[len(bucket):])
+                summed += out[:len(bucket)]
+            return summed
+
+        step_clock.buckets_timed(tensors, reduce_buckets)  # the step's times (tfdist.step_clock)
+        count = joined_count[0] if joined_count else None
         if not flags:
             return reduced, None
         scale = self.prescale * self.postscale / (group.size if self.op == Average else 1)

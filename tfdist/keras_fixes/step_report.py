@@ -6,9 +6,8 @@ Under a multi-worker strategy (each worker's times from ``tfdist.step_clock``):
 * at ``fit``'s end every worker publishes its medians over that ``fit``'s steps, and worker 0
   prints one line: the step time and either "no straggler" or the worker(s) whose own work
   (input and compute) takes over 15% longer than the fastest worker's, and why; the line is in the
-  timeline too. With a timeline (``TFDIST_TIMELINE``), every worker then publishes its part and
-  worker 0 writes the file (``tfdist.timeline``; the first ``fit`` also measures the clocks'
-  offsets, a few all-reduces);
+  timeline too. With a timeline (``TFDIST_TIMELINE``), every worker's timeline thread then
+  publishes its part and worker 0's writes the file (``tfdist.timeline``);
 * with a ``keras.callbacks.TensorBoard`` in the callbacks, at each epoch's end worker 0 writes each
   worker's median step time, input wait and compute time as scalars (``tfdist/worker_R/...``) into
   its training logs.
@@ -53,7 +52,6 @@ def _first_step(original, self, logs=None):
     if job is not None:
         _fits += 1
         self._tfdist_fit, self._tfdist_first_step = _fits, step_clock.count()
-        timeline.start(process_group.for_strategy(self.model.distribute_strategy), job[0])
 
 
 @patch.replaces(CallbackList, "on_epoch_begin", ("self", "epoch", "logs"))

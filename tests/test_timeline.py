@@ -1,0 +1,105 @@
+"""Where a distributed step's time goes (issue 41): the straggler report worker 0 prints after each multi-worker
+fit, the Chrome-trace timeline (tfdist run --timeline), and per-worker step times in TensorBoard; pieces in one
+process too."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.jobs import run_job
+from tfdist import stragglers
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """tests/workers/straggler_job.py: fits with worker 1's input slowed, its compute slowed, then balanced."""
+    out = tmp_path_factory.mktemp("straggler")
+    result = run_job("straggler_job.py", out, timeout=300, launcher_args=("--timeline", str(out / "trace.json")))
+    return result.check(), out
+
+
+def reports(output: str) -> list[str]:
+    return re.findall(r"\[0\] (tfdist: fit: 2 workers.*)", output)
+
+
+def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_compute_is_then_no_one(job):
+    result, _ = job
+    slow_input, slow_compute, balanced = reports(result.output)
+    assert re.search(r"straggler: worker 1 on host \S+: \d+% slower than the fastest worker .*; \d+% of it waiting "
+                     r"for its input$", slow_input), slow_input
+    assert re.search(r"straggler: worker 1 on host \S+: \d+% slower .*; \d+% of it computing$", slow_compute)
+    assert "no straggler" in balanced and "worker 1 on host" not in balanced
+    assert "[0]   worker 1 (" in result.output and "[1] tfdist: fit:" not in result.output  # worker 0 says it
+
+
+def test_the_timeline_is_a_chrome_trace_with_each_buckets_all_reduce_overlapping_the_backward_pass(job):
+    _, out = job
+    trace = json.loads((out / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all({"ph", "ts", "dur", "pid", "tid", "name"} <= set(e) for e in spans)
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and names[1].startswith("worker 1 (")
+    assert trace["otherData"]["clock_bound_ms"] is not None
+    for pid in (0, 1):
+        steps = [e for e in spans if e["pid"] == pid and e["name"].startswith("step ")]
+        buckets = [e for e in spans if e["pid"] == pid and e["name"].startswith("bucket ")]
+        backward = [e for e in spans if e["pid"] == pid and e["name"] == "backward"]
+        assert len(steps) == 3 * 24  # every step of the three fits
+        assert len(buckets) == 2 * len(steps)  # the CNN's 2 buckets (its dense kernel, then the rest), each step
+        assert {b["args"]["bytes"] for b in buckets if b["name"] == "bucket 0"} == {1608488}
+        # The first bucket's all-reduce starts while the backward pass still runs, in most steps.
+        overlapping = sum(any(b["name"] == "bucket 0" and w["ts"] <= b["ts"] < w["ts"] + w["dur"] for w in backward)
+                          for b in buckets)
+        assert overlapping > len(steps) // 2, overlapping
+        assert sum(b["args"]["hidden_ms"] for b in buckets) > 0
+    instants = [e["name"] for e in trace["traceEvents"] if e["ph"] == "i" and e["pid"] == 0]
+    assert "attempt 0: 2 workers" in instants and any("no straggler" in name for name in instants)
+
+
+def test_tensorboard_gets_each_workers_step_time(job):
+    import tensorflow as tf
+
+    _, out = job
+    found = set()
+    for path in (out / "logs" / "train").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            found |= {value.tag for value in event.summary.value}
+    assert {f"tfdist/worker_{r}/{name}" for r in (0, 1) for name in ("step_ms", "input_ms", "compute_ms")} <= found
+
+
+def summary(rank, input_ms, compute_ms, spread=0.05):
+    own = input_ms + compute_ms
+    return stragglers.Summary(rank, f"host{rank}", 20, 30.0, input_ms, compute_ms, 0.0, own * (1 - spread),
+                              own * (1 + spread))
+
+
+def test_the_verdict_names_workers_past_15_percent_and_why():
+    assert stragglers.verdict([summary(0, 0.1, 10), summary(1, 0.1, 11)]) == []  # 10%: noise
+    assert stragglers.verdict([summary(0, 0.1, 0.5), summary(1, 0.1, 1.2)]) == []  # under 1 ms a step
+    # 30% slower in the median, but most steps overlap the other's (a shared, noisy machine): not named
+    assert stragglers.verdict([summary(0, 0.1, 10, spread=0.2), summary(1, 0.1, 13, spread=0.2)]) == []
+    (named, why), = stragglers.verdict([summary(0, 0.2, 10), summary(1, 8.2, 10.5), summary(2, 0.1, 10.2)])
+    assert named.rank == 1 and why.startswith("83% slower than the fastest worker (own work 18.7 ms a step against 10.2)") and why.endswith(
+        "94% of it waiting for its input")
+    lines = stragglers.report([summary(0, 0.2, 10), summary(1, 0.2, 20)], 3, "fit")
+    assert lines[0].startswith("tfdist: fit: 2 workers, 30.0 ms a step (medians of the last 20 steps); no steps from "
+                               "worker(s) [2]; straggler: worker 1 on host host1: 98% slower")
+    assert lines[0].endswith("100% of it computing") and len(lines) == 3
+
+
+def test_the_summary_splits_a_step_into_own_work_and_waiting():
+    from tfdist import step_clock
+
+    index = step_clock.INDEX
+    rows = np.full((4, len(step_clock.COLUMNS)), np.nan)
+    for i, row in enumerate(rows):
+        start = i * 0.05
+        for name, at in (("step", i), ("input_start", start), ("input_end", start + 0.002), ("data", start + 0.005),
+                         ("grads", start + 0.025), ("reduced", start + 0.030)):
+            row[index[name]] = at if name != "step" else i
+    found = stragglers.summarize(rows, index, 1, "b")
+    assert found == stragglers.Summary(1, "b", 4, pytest.approx(50.0), pytest.approx(2.0), pytest.approx(20.0),
+                                       pytest.approx(8.0), pytest.approx(22.0), pytest.approx(22.0))
+    assert stragglers.summarize(rows[:2], index, 1, "b") is None
