@@ -15,7 +15,8 @@ pass that point:
 * ``first_ready``: the first gradient bucket ready (the backward pass has begun);
 * ``grads``: every gradient ready (forward and backward done);
 * ``reduced``: every bucket all-reduced;
-* per bucket ``b``: ``ready_b`` and ``reduced_b``, and its bytes in ``BUCKET_BYTES`` (launch order);
+* per bucket ``b``, in steps traced while a timeline is asked for (``per_bucket``): ``ready_b`` and
+  ``reduced_b``, and its bytes in ``bucket_bytes()`` (launch order);
 * ``step``: the step's number in this process (from 0).
 
 A step that ``tfdist.keras_fixes.gradient_buckets`` all-reduces (Keras' ``fit``, a custom loop
@@ -45,6 +46,7 @@ _counter: tf.Variable | None = None   # steps written so far (int64)
 _anchor: tf.Variable | None = None    # read by every clock read (see ``_now_after``)
 _bucket_bytes: list[int] = []         # of the last traced plan, in launch order
 _inputs: list = []                    # the input times traced and not yet written: the step traced next takes them
+per_bucket = False                    # read the clock around each bucket too (a timeline: ``tfdist.timeline`` sets it)
 _local = threading.local()            # the step being traced in this thread (a replica's)
 
 
@@ -124,7 +126,6 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
     step = getattr(_local, "step", None) or _Step(None)
     _local.step = None
     sizes: list[int] = []
-    step.times["grads"] = _now_after(gradients)
 
     def on_ready(b: int, tensors: list, nbytes: int = 0) -> list:
         b = min(b, MAX_BUCKETS - 1)
@@ -140,8 +141,16 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
         step.times[f"reduced_{min(b, MAX_BUCKETS - 1)}"] = _now_after(tensors)
         return tensors
 
+    if not per_bucket:  # the straggler report's reads only: all gradients ready, all reduced
+        reduced = reduce_buckets(lambda b, tensors, nbytes=0: tensors, lambda b, tensors: tensors)
+        step.times["grads"], step.times["reduced"] = _now_after(gradients), _now_after(reduced)
+        _write(step)
+        return reduced
     reduced = reduce_buckets(on_ready, on_reduced)
-    step.times["reduced"] = _now_after(reduced)
+    for first, name in (("ready_", "grads"), ("reduced_", "reduced")):  # every bucket's latest: no more clock reads
+        times = [t for key, t in step.times.items() if key.startswith(first)]
+        if times:
+            step.times[name] = tf.reduce_max(tf.stack(times))
     _bucket_bytes[:] = sizes
     _write(step)
     return reduced

@@ -69,9 +69,10 @@ def path() -> str | None:
 
 
 def set_path(value: str | None) -> None:
-    """``hvd.start_timeline(path)`` / ``stop_timeline()`` (None)."""
+    """``hvd.start_timeline(path)`` / ``stop_timeline()`` (None). Steps traced from now on time each bucket."""
     global _path
     _path = value
+    step_clock.per_bucket = path() is not None
 
 
 def _measure_offset(rank: int, size: int) -> tuple[float, float]:
@@ -109,6 +110,7 @@ def start(rank: int, size: int) -> None:
     if _started or size < 2:
         return
     _started = True
+    step_clock.per_bucket = path() is not None
     threading.Thread(target=_publisher, args=(rank, size), name="tfdist-timeline", daemon=True).start()
     atexit.register(_publish_at_exit, rank, size)
     if path() is not None:
