@@ -128,10 +128,11 @@ def _measure_once(rank: int, size: int) -> None:
 
 
 def _publish_at_exit(rank: int, size: int) -> None:
-    """At the interpreter's exit: the last publication (a script that ends within ``PERIOD_S`` writes its file)."""
+    """At the interpreter's exit: the last publication (a script that ends within ``PERIOD_S`` writes its file);
+    worker 0 waits for every worker's last part."""
     if path() is not None:
         _measure_once(rank, size)
-        publish(rank, size)
+        publish(rank, size, final=True)
 
 
 def publish_soon(fits: int | None = None) -> None:
@@ -165,18 +166,18 @@ def chunk(rank: int) -> dict:
                        for e in events.recent()]}
 
 
-def publish(rank: int, size: int) -> None:
+def publish(rank: int, size: int, final: bool = False) -> None:
     """Publishes this worker's part; worker 0 then merges every worker's (waiting up to ``COLLECT_S`` for parts as
-    recent as its own: the same number of fits) and writes the file."""
+    recent as its own: the same number of fits, or ``final`` ones: each worker's last, at exit) and writes the file."""
     target = path()
     if target is None:
         return
     with _publishing:  # the timeline thread, the training thread (hvd.stop_timeline) and exit may all publish
-        _publish(target, rank, size)
+        _publish(target, rank, size, final)
 
 
-def _publish(target: str, rank: int, size: int) -> None:
-    mine = chunk(rank)
+def _publish(target: str, rank: int, size: int, final: bool) -> None:
+    mine = {**chunk(rank), "final": final}
     kvstore.put(f"{_KEY}{rank}", json.dumps(mine))
     if rank != 0:
         return
@@ -186,7 +187,7 @@ def _publish(target: str, rank: int, size: int) -> None:
         while time.monotonic() < deadline:
             value = kvstore.get(f"{_KEY}{peer}", 500)
             part = json.loads(value) if value else part
-            if part is not None and part["fits"] >= mine["fits"]:
+            if part is not None and part["fits"] >= mine["fits"] and (part["final"] or not final):
                 break
             time.sleep(0.1)
         if part is not None:
