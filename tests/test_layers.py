@@ -10,9 +10,10 @@ PACKAGE = pathlib.Path(tfdist.__file__).resolve().parent
 
 # The first matching prefix decides a module's layer; tfdist/__init__.py (the root) wires them all.
 LAYERS = [
-    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "stop_signals", "run", "cli",
-         "launch")),
-    (1, ("buckets", "autotune", "compression", "fusion", "devices", "watchdog", "kvstore", "preemption")),
+    (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "stop_signals", "events", "run",
+         "cli", "launch")),
+    (1, ("buckets", "autotune", "compression", "fusion", "devices", "watchdog", "kvstore", "preemption", "step_clock",
+         "stragglers", "timeline")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
     (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes")),

@@ -18,11 +18,13 @@ checks it, imports inside functions included):
 
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
    ``patching``, ``startup``, ``extras``, ``atomic_files``, ``stop_signals`` (a worker's stop
-   signals), the launcher (``run``, ``cli``, ``launch/*``);
+   signals), ``events`` (host-side events for the timeline), the launcher (``run``, ``cli``,
+   ``launch/*``);
 1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``autotune`` (picks their setting from
    measured steps), ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning, threads),
    ``watchdog`` (the hang watchdog), ``kvstore`` (the coordination service's key-value store),
-   ``preemption`` (the agreed stop);
+   ``preemption`` (the agreed stop), ``step_clock`` (each step's times), ``stragglers`` (which worker
+   is slow), ``timeline`` (the Chrome trace);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,

@@ -97,6 +97,13 @@ def input_times(get_next):
     end = _now_after([r.has_value() if hasattr(r, "has_value") else r for r in tf.nest.flatten(result)])
     with _lock:
         _inputs.append((start, end))  # traced just before the step that uses the batch (program order)
+    if not start.graph.name.startswith("while_body"):
+        # The step may be another function (Keras calls its one-step tf.function with this batch), which cannot
+        # read these tensors: write them now, into the row that step will write (no loop iterations to overlap).
+        ring, counter, _ = _variables()
+        row = tf.math.floormod(counter.read_value(), RING_STEPS)
+        ring.scatter_nd_update(tf.stack([[row, INDEX["input_start"]], [row, INDEX["input_end"]]]),
+                               tf.stack([start, end]))
     return result
 
 
@@ -106,9 +113,10 @@ class _Step:
     def __init__(self, data: tf.Tensor | None):
         self.times: dict[str, tf.Tensor] = {} if data is None else {"data": data}
         with _lock:
-            if _inputs:
-                self.times["input_start"], self.times["input_end"] = _inputs.pop()
+            latest = _inputs[-1] if _inputs else None
             _inputs.clear()
+        if latest is not None and latest[0].graph is tf.compat.v1.get_default_graph():
+            self.times["input_start"], self.times["input_end"] = latest
 
 
 def step_starts(data) -> None:
@@ -161,9 +169,9 @@ def _write(step: _Step) -> None:
     ring, counter, _ = _variables()
     number = counter.assign_add(1) - 1
     nan = tf.constant(np.nan, tf.float64)
-    values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan) for name in COLUMNS]
-    ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), column] for column in range(len(COLUMNS))]),
-                           tf.stack(values))
+    columns = [i for name, i in INDEX.items() if name in step.times or not name.startswith("input_")]
+    values = [tf.cast(number, tf.float64) if COLUMNS[i] == "step" else step.times.get(COLUMNS[i], nan) for i in columns]
+    ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), i] for i in columns]), tf.stack(values))
 
 
 def _first_local_replica() -> bool:
