@@ -41,8 +41,10 @@ def small_cnn():
     ])
 
 
-def worker(out: str, steps: int, batch: int) -> None:
-    """Inside a job's worker: warm up, then time ``steps`` steps of fit."""
+def worker(out: str, steps: int, batch: int, data_autotune: bool = True) -> None:
+    """Inside a job's worker: warm up, then time ``steps`` steps of fit. ``data_autotune=False`` turns tf.data's
+    autotune off on the job's dataset: each fit then runs in the fast mode (UPSTREAM.md: with it, a job lands in
+    a fast or a slow mode at random, which swamps a paired comparison)."""
     import tfdist
 
     strategy = tfdist.get_strategy()
@@ -55,6 +57,10 @@ def worker(out: str, steps: int, batch: int) -> None:
     images = tf.random.stateless_uniform((batch, 32, 32, 3), seed=(1, 2))
     labels = tf.random.stateless_uniform((batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
     dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    if not data_autotune:
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        dataset = dataset.with_options(options)
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)  # warm-up: tracing, first steps
     start = time.perf_counter()
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)

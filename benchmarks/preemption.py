@@ -39,7 +39,7 @@ def worker(out: str, steps: int, batch: int, on: bool) -> None:
         from tfdist.keras_fixes import preemption
 
         preemption.patch.restore()
-    same_job.worker(out, steps, batch)
+    same_job.worker(out, steps, batch, data_autotune=False)
 
 
 def run_job(on: bool, steps: int, batch: int) -> same_job.StepTime:
@@ -68,7 +68,7 @@ def micro(rounds: int) -> list[tuple[float, float]]:
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.stop_training = False  # as fit sets it
     callbacks = CallbackList([], model=model)
-    plane.begin_fit()  # a fit's session is open, as during fit
+    plane.begin_fit(of_the_job=False)  # a fit's session is open, as during fit
     results = []
     for _ in range(rounds):
         best = {}

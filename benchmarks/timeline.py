@@ -6,8 +6,9 @@ clock`` compares tfdist as it ships (``tfdist.step_clock`` reading the clock in 
 straggler report at each fit's end) with the step clock taken out (its hooks made no-ops, the
 input clock's patch restored): goal <= 1.005. ``--arm timeline`` compares ``TFDIST_TIMELINE`` set
 (each worker's timeline thread publishing its part, worker 0 writing the file) with the step clock
-taken out: goal <= 1.03. Every round prints its ratio. Separate jobs land in a fast or a slow mode
-here (docs/performance.md), so ``--micro`` also pairs fits inside one process: two copies of the
+taken out: goal <= 1.03. Every round prints its ratio. The job's dataset runs without tf.data
+autotune (with it, separate jobs land in a fast or a slow mode at random). ``--micro`` also pairs
+fits inside one process: two copies of the
 model on 2 logical CPUs (MirroredStrategy), one traced with the step clock and one without,
 alternating, each round's ratio printed.
 
@@ -41,7 +42,7 @@ def worker(out: str, steps: int, batch: int, clock: bool) -> None:
         step_clock.step_starts = lambda data: None
         step_clock.buckets_timed = lambda gradients, reduce_buckets: reduce_buckets(
             lambda b, tensors, nbytes=0: tensors, lambda b, tensors: tensors)
-    same_job.worker(out, steps, batch)
+    same_job.worker(out, steps, batch, data_autotune=False)
 
 
 def run_job(on: bool, arm: str, steps: int, batch: int) -> same_job.StepTime:
