@@ -16,7 +16,8 @@ from tfdist import stragglers
 def job(tmp_path_factory):
     """tests/workers/straggler_job.py: fits with worker 1's input slowed, its compute slowed, then balanced."""
     out = tmp_path_factory.mktemp("straggler")
-    result = run_job("straggler_job.py", out, timeout=300, launcher_args=("--timeline", str(out / "trace.json")))
+    result = run_job("straggler_job.py", out, timeout=300, launcher_args=("--timeline", str(out / "trace.json")),
+                     env={"TFDIST_REPORT_SECONDS": "1"})
     return result.check(), out
 
 
@@ -27,6 +28,8 @@ def reports(output: str) -> list[str]:
 def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_compute_is_then_no_one(job):
     result, _ = job
     slow_input, slow_compute, balanced = reports(result.output)
+    # During a fit too, every TFDIST_REPORT_SECONDS, when someone is slow (here: the first two fits)
+    assert re.search(r"\[0\] tfdist: the last 1 s: 2 workers, .*; straggler: worker 1 on host", result.output)
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower than the fastest worker .*; \d+% of it waiting "
                      r"for its input$", slow_input), slow_input
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower .*; \d+% of it computing$", slow_compute)
@@ -103,3 +106,10 @@ def test_the_summary_splits_a_step_into_own_work_and_waiting():
     assert found == stragglers.Summary(1, "b", 4, pytest.approx(50.0), pytest.approx(2.0), pytest.approx(20.0),
                                        pytest.approx(8.0), pytest.approx(22.0), pytest.approx(22.0))
     assert stragglers.summarize(rows[:2], index, 1, "b") is None
+
+
+def test_the_report_period_comes_from_the_environment_and_a_bad_one_is_a_clear_error():
+    assert stragglers.period_from_env({}) == 300.0
+    assert stragglers.period_from_env({"TFDIST_REPORT_SECONDS": "0"}) == 0.0
+    with pytest.raises(ValueError, match=r"TFDIST_REPORT_SECONDS='often' is not a number of seconds: .* 0 for never"):
+        stragglers.period_from_env({"TFDIST_REPORT_SECONDS": "often"})

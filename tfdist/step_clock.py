@@ -20,8 +20,8 @@ pass that point:
 * ``step``: the step's number in this process (from 0).
 
 A step that ``tfdist.keras_fixes.gradient_buckets`` all-reduces (Keras' ``fit``, a custom loop
-that calls ``apply_gradients``) writes its row, in one write, its input times included (those of
-the ``get_next`` traced just before it: the step's batch). Under several local replicas only the
+that calls ``apply_gradients``) writes its row in one write; in ``fit``, the input times of its
+batch's ``get_next`` reach it through a variable (the step may be traced in another graph). Under several local replicas only the
 first one's times are kept. The cost is a few clock reads and one small write per step
 (``benchmarks/timeline.py``).
 """
@@ -44,15 +44,16 @@ _lock = threading.Lock()
 _ring: tf.Variable | None = None      # [RING_STEPS, len(COLUMNS)] float64
 _counter: tf.Variable | None = None   # steps written so far (int64)
 _anchor: tf.Variable | None = None    # read by every clock read (see ``_now_after``)
+_latest_input: tf.Variable | None = None  # [start, end] of the latest batch's get_next
 _bucket_bytes: list[int] = []         # of the last traced plan, in launch order
-_inputs: list = []                    # the input times traced and not yet written: the step traced next takes them
 per_bucket = False                    # read the clock around each bucket too (a timeline: ``tfdist.timeline`` sets it)
 _local = threading.local()            # the step being traced in this thread (a replica's)
 
 
-def _variables() -> tuple[tf.Variable, tf.Variable, tf.Variable]:
-    """The ring, its counter and the clock's anchor (0.0, never written), made once, eagerly, outside any strategy."""
-    global _ring, _counter, _anchor
+def _variables() -> tuple[tf.Variable, tf.Variable, tf.Variable, tf.Variable]:
+    """The ring, its counter, the clock's anchor (0.0, never written) and the latest batch's input times, made once,
+    eagerly, outside any strategy."""
+    global _ring, _counter, _anchor, _latest_input
     with _lock:
         if _ring is None:
             with tf.init_scope():
@@ -63,23 +64,24 @@ def _variables() -> tuple[tf.Variable, tf.Variable, tf.Variable]:
                     tf.constant(0, tf.int64), trainable=False, name="tfdist_step_clock_counter")
                 _anchor = resource_variable_ops.ResourceVariable(
                     tf.constant(0.0, tf.float64), trainable=False, name="tfdist_step_clock_anchor")
-        return _ring, _counter, _anchor
+                _latest_input = resource_variable_ops.ResourceVariable(
+                    tf.constant([np.nan, np.nan], tf.float64), trainable=False, name="tfdist_step_clock_input")
+        return _ring, _counter, _anchor, _latest_input
 
 
-def _now_after(tensors=()) -> tf.Tensor:
-    """The clock, read once every tensor of ``tensors`` exists.
+def _now_after(tensor=None) -> tf.Tensor:
+    """The clock, read once ``tensor`` (a number or bool tensor, or None: now) exists.
 
     A control dependency is not enough: Grappler drops those of a ``Timestamp``, and TensorFlow runs
     every stateful op that uses no resource (a ``Timestamp`` among them) in program order, so one
     clock read would wait for another. Here the clock is read in a ``tf.cond`` whose predicate reads
-    one element of each tensor (the read waits for all of them), and whose branch reads a variable
+    one element of ``tensor`` (the read waits for it), and whose branch reads a variable
     (``_anchor``: an op that uses a resource is ordered only with that resource's writes, and it
-    has none).
+    has none). Callers pass the tensor that comes last of those they wait for: one element read.
     """
     anchor = _variables()[2]
-    firsts = [tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float64)) for t in tf.nest.flatten(tensors)
-              if isinstance(t, tf.Tensor) and (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_bool)]
-    predicate = tf.math.is_nan(tf.add_n(firsts)) if firsts else tf.constant(False)
+    predicate = tf.constant(False) if tensor is None else \
+        tf.math.is_nan(tf.reduce_sum(tf.cast(tf.reshape(tensor, [-1])[:1], tf.float64)))
 
     def read() -> tf.Tensor:
         return tf.timestamp() + anchor.read_value()
@@ -88,22 +90,17 @@ def _now_after(tensors=()) -> tf.Tensor:
 
 
 def input_times(get_next):
-    """``get_next()``'s result, the clock read around it (in a traced step only): the next row written takes them."""
+    """``get_next()``'s result, the clock read around it (in a traced step only); the next row written takes them."""
     if tf.executing_eagerly():
         return get_next()
     start = _now_after()
     with tf.control_dependencies([start]):
         result = get_next()
-    end = _now_after([r.has_value() if hasattr(r, "has_value") else r for r in tf.nest.flatten(result)])
-    with _lock:
-        _inputs.append((start, end))  # traced just before the step that uses the batch (program order)
-    if not start.graph.name.startswith("while_body"):
-        # The step may be another function (Keras calls its one-step tf.function with this batch), which cannot
-        # read these tensors: write them now, into the row that step will write (no loop iterations to overlap).
-        ring, counter, _ = _variables()
-        row = tf.math.floormod(counter.read_value(), RING_STEPS)
-        ring.scatter_nd_update(tf.stack([[row, INDEX["input_start"]], [row, INDEX["input_end"]]]),
-                               tf.stack([start, end]))
+    first = tf.nest.flatten(result)[0]
+    end = _now_after(first.has_value() if hasattr(first, "has_value") else _number(result))
+    # Through a variable, not a tensor: Keras' step may be another function, or a cond's branch, which cannot read
+    # this graph's tensors. Both uses of the variable run in program order: this batch's, then its step's.
+    _variables()[3].assign(tf.stack([start, end]))
     return result
 
 
@@ -112,17 +109,12 @@ class _Step:
 
     def __init__(self, data: tf.Tensor | None):
         self.times: dict[str, tf.Tensor] = {} if data is None else {"data": data}
-        with _lock:
-            latest = _inputs[-1] if _inputs else None
-            _inputs.clear()
-        if latest is not None and latest[0].graph is tf.compat.v1.get_default_graph():
-            self.times["input_start"], self.times["input_end"] = latest
 
 
 def step_starts(data) -> None:
     """Notes, while tracing a replica's step, that its batch ``data`` is ready (the step's start)."""
     if not tf.executing_eagerly() and _first_local_replica():
-        _local.step = _Step(_now_after(data))
+        _local.step = _Step(_now_after(_number(data)))
 
 
 def buckets_timed(gradients: list, reduce_buckets) -> list:
@@ -140,18 +132,19 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
         if b == len(sizes):
             sizes.append(0)
         sizes[b] += nbytes
-        now = _now_after(tensors)
+        now = _now_after(_number(tensors))  # a bucket's first gradient: its first variable's, the last computed
         step.times.setdefault("first_ready", now)
         step.times.setdefault(f"ready_{b}", now)
         return tensors
 
     def on_reduced(b: int, tensors: list) -> list:
-        step.times[f"reduced_{min(b, MAX_BUCKETS - 1)}"] = _now_after(tensors)
+        step.times[f"reduced_{min(b, MAX_BUCKETS - 1)}"] = _now_after(_number(tensors))
         return tensors
 
     if not per_bucket:  # the straggler report's reads only: all gradients ready, all reduced
         reduced = reduce_buckets(lambda b, tensors, nbytes=0: tensors, lambda b, tensors: tensors)
-        step.times["grads"], step.times["reduced"] = _now_after(gradients), _now_after(reduced)
+        # The first variable's gradient comes last in the backward pass; the last bucket's all-reduce ends last.
+        step.times["grads"], step.times["reduced"] = _now_after(_number(gradients)), _now_after(_number(reduced[::-1]))
         _write(step)
         return reduced
     reduced = reduce_buckets(on_ready, on_reduced)
@@ -164,14 +157,22 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
     return reduced
 
 
+def _number(tensors) -> tf.Tensor | None:
+    """The first number or bool tensor of ``tensors`` (a structure), or None."""
+    return next((t for t in tf.nest.flatten(tensors) if isinstance(t, tf.Tensor) and (
+        t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_bool)), None)
+
+
 def _write(step: _Step) -> None:
     """One row, one write: the step's number and every time it took (NaN where it has none)."""
-    ring, counter, _ = _variables()
+    ring, counter, _, latest_input = _variables()
+    if "data" in step.times:  # a step of a fit: its batch was read by input_times (a custom loop's is its own)
+        step.times["input_start"], step.times["input_end"] = tf.unstack(latest_input.read_value())
     number = counter.assign_add(1) - 1
     nan = tf.constant(np.nan, tf.float64)
-    columns = [i for name, i in INDEX.items() if name in step.times or not name.startswith("input_")]
-    values = [tf.cast(number, tf.float64) if COLUMNS[i] == "step" else step.times.get(COLUMNS[i], nan) for i in columns]
-    ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), i] for i in columns]), tf.stack(values))
+    values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan) for name in COLUMNS]
+    ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), i] for i in range(len(COLUMNS))]),
+                           tf.stack(values))
 
 
 def _first_local_replica() -> bool:

@@ -8,14 +8,26 @@ batch, then for the all-reduce's end). ``verdict`` compares own work across work
 worker whose own work takes over ``SLOWER`` (15%) longer than the fastest worker's, and
 ``MIN_MS`` more a step, and whose steps are slower than most of the fastest worker's (its own
 work's 25th percentile above the fastest one's 75th: noise on a shared machine is not), is
-named, with the part that grew (input or compute). Numpy only.
+named, with the part that grew (input or compute).
+
+Worker 0 says it after each multi-worker ``fit`` (``tfdist.keras_fixes.step_report``), and, in a
+long fit, every ``TFDIST_REPORT_SECONDS`` (default 300; 0: never) when someone is slow: a thread
+in each worker (``start``) answers worker 0's asks through the coordination service's store.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
 
 import numpy as np
+
+from tfdist import events, kvstore, step_clock
 
 SLOWER = 0.15
 MIN_MS = 1.0
@@ -100,3 +112,71 @@ def report(summaries: list[Summary], size: int, what: str) -> list[str]:
     lines += [f"  worker {s.rank} ({s.host}): input {s.input_ms:.1f} ms, compute {s.compute_ms:.1f} ms, waiting for "
               f"the others {s.wait_ms:.1f} ms" for s in summaries]
     return lines
+
+
+# The periodic report of a long fit ------------------------------------------------------------------
+
+ENV_PERIOD = "TFDIST_REPORT_SECONDS"
+DEFAULT_PERIOD_S = 300.0
+_REQUEST = "tfdist/report/periodic/request"
+
+
+def period_from_env(environ: dict | None = None) -> float:
+    """``TFDIST_REPORT_SECONDS``: how often worker 0 reports a straggler in a long fit (default 300; 0 never).
+
+    Raises:
+        ValueError: not a number of seconds >= 0.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_PERIOD, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_PERIOD_S
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{ENV_PERIOD}={raw!r} is not a number of seconds: set it to how often worker 0 says which "
+                         f"worker is slow during a fit, e.g. {DEFAULT_PERIOD_S:g} (the default), or 0 for never.")
+    return value
+
+
+def start(rank: int, size: int) -> None:
+    """In a multi-worker process (once, as its strategy is built): the thread of the periodic report."""
+    period = period_from_env()
+    if size > 1 and period > 0:
+        threading.Thread(target=_every_period, args=(rank, size, period), name="tfdist-stragglers",
+                         daemon=True).start()
+
+
+def _every_period(rank: int, size: int, period: float) -> None:
+    """Worker 0 asks for every worker's medians of the steps since its last ask, and says who is slow (if anyone);
+    the others answer each ask once. Off the training thread; nothing when no steps ran."""
+    asked, since = 0, 0
+    if rank == 0:
+        kvstore.put(_REQUEST, "0")  # exists from the start: reading it never leaves a call pending
+    tick = min(period, 10.0)
+    while True:
+        time.sleep(period if rank == 0 else tick)
+        if rank == 0:
+            if step_clock.count() - since < MIN_STEPS:
+                continue
+            asked += 1
+            kvstore.put(_REQUEST, str(asked))
+        else:
+            value = kvstore.get(_REQUEST)
+            if not value or int(value) <= asked:
+                continue
+            asked = int(value)
+        mine = summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
+        since = step_clock.count()
+        kvstore.put(f"{_REQUEST}/{asked}/{rank}", json.dumps(None if mine is None else dataclasses.asdict(mine)))
+        if rank != 0:
+            continue
+        deadline, found = time.monotonic() + tick + 5, [mine] if mine is not None else []
+        for peer in range(1, size):
+            value = kvstore.wait_for(f"{_REQUEST}/{asked}/{peer}", deadline)
+            if value and value != "null":
+                found.append(Summary(**json.loads(value)))
+        lines = report(found, size, f"the last {period:g} s")
+        if verdict(found):  # quiet unless someone is slow: the fit's end says the rest
+            for line in lines:
+                print(line, file=sys.stderr, flush=True)
+            events.instant("report", lines[0])

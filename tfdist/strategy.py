@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfdist import cluster as cluster_lib
 from tfdist import devices as devices_lib
 from tfdist import precision as precision_lib
-from tfdist import preemption, process_group, startup, state, timeline, watchdog
+from tfdist import preemption, process_group, startup, state, stragglers, timeline, watchdog
 from tfdist.devices import DeviceSpec, configure_cpu_devices, resolve_devices, runtime_initialized  # noqa: F401
 from tfdist.errors import StrategyError
 from tfdist.state import built_by_tfdist, current_strategy, origin_of_current  # noqa: F401  (this module's API)
@@ -119,13 +119,14 @@ def adopt(strategy: tf.distribute.Strategy, origin: str) -> None:
 
 
 def _start_watchdog(strategy: tf.distribute.Strategy) -> None:
-    """Starts the hang watchdog (``TFDIST_HANG_TIMEOUT``) and the timeline thread in a multi-worker process, and
-    the agreed stop (``tfdist.preemption``) in every process."""
+    """Starts the hang watchdog (``TFDIST_HANG_TIMEOUT``), the timeline thread and the periodic straggler report
+    in a multi-worker process, and the agreed stop (``tfdist.preemption``) in every process."""
     rank, size = process_group.worker_rank(strategy), process_group.num_workers(strategy)
     preemption.start(rank, size)
     if process_group.is_multi_worker(strategy):
         watchdog.start(rank, size)
         timeline.start(rank, size)
+        stragglers.start(rank, size)
 
 
 def current_multi_worker() -> tf.distribute.Strategy | None:
