@@ -110,7 +110,7 @@ def test_every_patch_is_applied_on_this_keras():
         ("replica_state", True, None), ("steps_per_execution", True, None), ("exact_steps_per_execution", True, None),
         ("auto_steps_per_execution", True, None), ("xla_cpu_replicas", True, None), ("uneven_data", True, None),
         ("precision_check", True, None), ("sync_batch_norm", True, None), ("keras_distribution_cluster", True, None),
-        ("keras_distribution", True, None), ("quiet_fit", True, None), ("preemption", True, None), ("autotune", True, None),
+        ("keras_distribution", True, None), ("quiet_fit", True, None), ("step_report", True, None), ("preemption", True, None), ("autotune", True, None),
         ("sparse_rows", True, None),
         ("scaled_loss", True, None)]
 

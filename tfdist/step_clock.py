@@ -32,6 +32,8 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import resource_variable_ops  # private: a variable no strategy scope intercepts
 
 RING_STEPS = 256
@@ -91,7 +93,7 @@ def _now_after(tensor=None) -> tf.Tensor:
 
 def input_times(get_next):
     """``get_next()``'s result, the clock read around it (in a traced step only); the next row written takes them."""
-    if tf.executing_eagerly():
+    if not _traced_here():
         return get_next()
     start = _now_after()
     with tf.control_dependencies([start]):
@@ -113,7 +115,7 @@ class _Step:
 
 def step_starts(data) -> None:
     """Notes, while tracing a replica's step, that its batch ``data`` is ready (the step's start)."""
-    if not tf.executing_eagerly() and _first_local_replica():
+    if _traced_here() and _first_local_replica():
         _local.step = _Step(_now_after(_number(data)))
 
 
@@ -121,7 +123,7 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
     """Runs ``reduce_buckets(on_ready, on_reduced)`` and writes the step's row (in a traced step of the first local
     replica only; else just runs it). ``on_ready(b, tensors)`` / ``on_reduced(b, tensors)`` return ``tensors``
     once the clock was read after them; the bytes of bucket ``b`` come with ``on_ready``'s ``nbytes``."""
-    if tf.executing_eagerly() or not _first_local_replica():
+    if not _traced_here() or not _first_local_replica():
         return reduce_buckets(lambda b, tensors, nbytes=0: tensors, lambda b, tensors: tensors)
     step = getattr(_local, "step", None) or _Step(None)
     _local.step = None
@@ -173,6 +175,12 @@ def _write(step: _Step) -> None:
     values = [tf.cast(number, tf.float64) if name == "step" else step.times.get(name, nan) for name in COLUMNS]
     ring.scatter_nd_update(tf.stack([[tf.math.floormod(number, RING_STEPS), i] for i in range(len(COLUMNS))]),
                            tf.stack(values))
+
+
+def _traced_here() -> bool:
+    """Whether a graph is being traced that can read the clock (XLA compiles no ``Timestamp``: a ``jit_compile`` step
+    goes untimed)."""
+    return not tf.executing_eagerly() and not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
 
 def _first_local_replica() -> bool:
