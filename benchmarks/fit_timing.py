@@ -7,6 +7,7 @@ and off, in alternating order, and prints every round's ratio.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -67,6 +68,19 @@ def worker(out: str, steps: int, batch: int, data_autotune: bool = True) -> None
     seconds = time.perf_counter() - start
     if tfdist.rank() == 0:
         pathlib.Path(out).write_text(json.dumps({"seconds": seconds}))
+
+
+def job_parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The arguments every on/off job benchmark takes: rounds, steps, batch, and the hidden ones its workers get
+    (``--worker OUT`` and ``--on``/``--off``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--on", dest="on", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--off", dest="on", action="store_false", help=argparse.SUPPRESS)
+    return parser
 
 
 def alternate(rounds: int, run: Callable[[bool], StepTime], what: str) -> tuple[list[float], list[float]]:

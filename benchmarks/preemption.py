@@ -13,7 +13,6 @@ callbacks, patched vs Keras' own, on the training thread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -81,14 +80,8 @@ def micro(rounds: int) -> list[tuple[float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=160)
-    parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    parser = same_job.job_parser(__doc__, steps=160)
     parser.add_argument("--micro", action="store_true", help="also time the batch-end check alone")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--on", dest="on", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--off", dest="on", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.batch, args.on)

@@ -18,7 +18,6 @@ alternating, each round's ratio printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -53,7 +52,7 @@ def run_job(on: bool, arm: str, steps: int, batch: int) -> same_job.StepTime:
             env["TFDIST_TIMELINE"] = os.path.join(tmp, "timeline.json")
         command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--timeout", "900", "--",
                    sys.executable, __file__, "--worker", out, "--steps", str(steps), "--batch", str(batch),
-                   "--clock" if on else "--no-clock"]
+                   "--on" if on else "--off"]
         subprocess.run(command, env=env, check=True, capture_output=True)
         return same_job.StepTime(arm if on else "off", steps, json.loads(pathlib.Path(out).read_text())["seconds"])
 
@@ -104,19 +103,13 @@ def micro(rounds: int, steps: int = 80) -> list[tuple[float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = same_job.job_parser(__doc__, steps=320)
     parser.add_argument("--arm", choices=("clock", "timeline"), default="clock")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=320)
-    parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
     parser.add_argument("--micro", action="store_true", help="also time the clock in one process, paired fits")
     parser.add_argument("--micro-rounds", type=int, default=20)
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--clock", dest="clock", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-clock", dest="clock", action="store_false", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.batch, args.clock)
+        worker(args.worker, args.steps, args.batch, args.on)
         return
     _, off_ms = same_job.alternate(args.rounds, lambda on: run_job(on, args.arm, args.steps, args.batch),
                                    f"{args.arm} ")
