@@ -300,3 +300,24 @@ def test_horovod_flag_needs_the_start_up_hook():
     assert result.returncode == 2
     assert "--horovod works through tfdist's start-up hook, which --no-fixes turns off; drop one of them." in \
         result.stderr
+
+
+def test_a_tape_loop_after_evaluate_trains(single):
+    """evaluate's steps note their start for the step clock and all-reduce no gradients: nothing of theirs may reach
+    the tape loop's step traced next (it failed: a tensor of the test function's graph 'is out of scope')."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((16, 4), "float32"), np.zeros((16, 3), "float32")
+    before = model.evaluate(x, y, verbose=0)
+    optimizer = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(step()) for _ in range(3)]
+    assert losses[0] == pytest.approx(before) and losses[2] < losses[0]

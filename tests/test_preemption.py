@@ -66,11 +66,21 @@ def test_sigterm_saves_every_worker_at_one_step_exits_85_and_the_same_command_re
 
 
 def test_sigterm_to_one_worker_under_max_restarts_resumes_in_the_same_command(tmp_path, uninterrupted):
+    """With a timeline: the preempted attempt's file (its steps, the agreed stop) is kept beside the resumed one's
+    (the exit skipped the last publication, and the restart overwrote the file)."""
     result = run_job("preempt_job.py", tmp_path, "worker", timeout=300,
-                     launcher_args=(*GRACE, "--max-restarts", "1")).check()
+                     launcher_args=(*GRACE, "--max-restarts", "1", "--timeline", str(tmp_path / "trace.json"))).check()
     assert "exited with code 85 (preempted" in result.output and "restarting all workers (1/1)" in result.output
     assert "SIGTERM to worker 1" in result.output
     assert_resumed_exactly(tmp_path, result.results, uninterrupted)
+    for name, attempt in (("trace.attempt0.json", 0), ("trace.json", 1)):
+        events = json.loads((tmp_path / name).read_text())["traceEvents"]
+        steps = [[e for e in events if e["ph"] == "X" and e["pid"] == pid and e["name"].startswith("step ")]
+                 for pid in (0, 1)]
+        assert len(steps[0]) == len(steps[1]) == len(steps_by_run(tmp_path, 0)[attempt]), name
+        instants = [e["name"] for e in events if e["ph"] == "i" and e["pid"] == 0]
+        assert f"attempt {attempt}: 2 workers" in instants
+        assert any(n.startswith("agreed stop after step") for n in instants) == (attempt == 0), instants
 
 
 def test_a_callback_stopping_one_worker_mid_epoch_stops_every_worker_after_the_same_step(tmp_path):

@@ -61,15 +61,17 @@ def test_the_timeline_is_a_chrome_trace_with_each_buckets_all_reduce_overlapping
     assert "attempt 0: 2 workers" in instants and any("no straggler" in name for name in instants)
 
 
-def test_tensorboard_gets_each_workers_step_time(job):
+def test_tensorboard_on_worker_0_only_gets_each_workers_step_time_for_every_epoch_without_waiting(job):
     import tensorflow as tf
 
-    _, out = job
+    result, out = job
     found = set()
     for path in (out / "logs" / "train").glob("events.out.tfevents.*"):
         for event in tf.compat.v1.train.summary_iterator(str(path)):
-            found |= {value.tag for value in event.summary.value}
-    assert {f"tfdist/worker_{r}/{name}" for r in (0, 1) for name in ("step_ms", "input_ms", "compute_ms")} <= found
+            found |= {(value.tag, event.step) for value in event.summary.value}
+    assert {(f"tfdist/worker_{r}/{name}", epoch) for r in (0, 1) for name in ("step_ms", "input_ms", "compute_ms")
+            for epoch in (0, 1)} <= found
+    assert result.results[0]["balanced_s"] < 60  # no epoch end waited for worker 1 (the job waits up to 120 s)
 
 
 def summary(rank, input_ms, compute_ms, spread=0.05):
@@ -113,3 +115,83 @@ def test_the_report_period_comes_from_the_environment_and_a_bad_one_is_a_clear_e
     assert stragglers.period_from_env({"TFDIST_REPORT_SECONDS": "0"}) == 0.0
     with pytest.raises(ValueError, match=r"TFDIST_REPORT_SECONDS='often' is not a number of seconds: .* 0 for never"):
         stragglers.period_from_env({"TFDIST_REPORT_SECONDS": "often"})
+
+
+def test_callbacks_without_a_model_or_a_fit_still_run():
+    """A custom loop's CallbackList: no model set, on_epoch_end without on_train_begin (it raised AttributeError)."""
+    import keras
+
+    seen = []
+
+    class Note(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(epoch)
+
+    callbacks = keras.callbacks.CallbackList([Note()])
+    callbacks.on_epoch_begin(0)
+    callbacks.on_epoch_end(0, {"loss": 1.0})
+    callbacks.on_train_begin()
+    callbacks.on_train_end()
+    assert seen == [0]
+
+
+def test_each_row_names_the_bucket_plan_its_step_ran():
+    """Two models trained one after the other: each step's buckets carry its own model's bytes (a row held the last
+    traced plan's: another model's, or an autotune candidate's)."""
+    import keras
+
+    from tfdist import step_clock
+    from tfdist import strategy as strategy_lib
+
+    mirrored_strategy = strategy_lib.make_strategy("mirrored", devices="CPU:[0-1]")
+    step_clock.per_bucket = True
+    try:
+        first = step_clock.count()
+        for units in (3, 50):
+            with mirrored_strategy.scope():
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(units)])
+                model.compile("sgd", "mse")
+            model.fit(np.ones((16, 8), "float32"), np.zeros((16, units), "float32"), batch_size=8, verbose=0)
+        rows = step_clock.rows(first)
+    finally:
+        step_clock.per_bucket = False
+    plans = step_clock.plans()
+    totals = [sum(plans[int(row[step_clock.INDEX["plan"]])]) for row in rows]
+    assert totals == [(8 * 3 + 3) * 4] * 2 + [(8 * 50 + 50) * 4] * 2
+
+
+def test_the_trace_is_json_without_nan_and_says_which_clocks_are_unmeasured():
+    from tfdist import step_clock, timeline
+
+    part = {"rank": 1, "host": "b", "offset": None, "bound_ms": float("nan"), "agreed": 0, "final": True,
+            "columns": list(step_clock.COLUMNS), "plans": [], "rows": [],
+            "events": [{"kind": "save", "name": "save", "start": 1.0, "end": 2.0, "args": {"loss": float("nan")}}]}
+    trace = timeline._finite(timeline.trace([{**part, "rank": 0, "offset": 0.0}, part]))
+    text = json.dumps(trace, allow_nan=False)
+    assert json.loads(text)["otherData"] == {"producer": "tfdist", "clock_bound_ms": None,
+                                             "clock_offsets_ms": {"0": 0.0, "1": None}, "clock_unmeasured": [1]}
+
+
+def test_stop_timeline_stops_one_the_environment_asked_for(monkeypatch):
+    from tfdist import timeline
+
+    monkeypatch.setenv("HOROVOD_TIMELINE", "from-env.json")
+    try:
+        assert timeline.path().endswith("from-env.json")
+        timeline.set_path(None)
+        assert timeline.path() is None
+        timeline.set_path("again.json")
+        assert timeline.path().endswith("again.json")
+    finally:
+        timeline.set_path(None)
+        timeline._stopped = False
+
+
+def test_hvd_stop_timeline_writes_every_ranks_steps_and_stops(tmp_path):
+    """stop_timeline is a point every rank reaches: rank 0 waits for each rank's part from there (it took rank 1's
+    part published at start_timeline, with no steps), and the 5 steps after it are not written at exit."""
+    result = run_job("hvd_timeline_job.py", tmp_path, timeout=240).check()
+    assert result.results[0]["weights"] == result.results[1]["weights"]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for pid in (0, 1):
+        assert sum(e["ph"] == "X" and e["pid"] == pid and e["name"].startswith("step ") for e in events) == 30

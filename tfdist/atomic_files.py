@@ -30,11 +30,14 @@ def atomic_write(write: Callable[[str], None], path: str) -> None:
     """Calls ``write(temp_path)`` and moves the result to ``path`` in one step.
 
     The temporary name keeps ``path``'s ending (Keras checks ``.keras``, ``.weights.h5``).
-    Leftovers of earlier interrupted writes to ``path`` are removed first.
+    Leftovers of earlier interrupted writes to ``path`` are removed first (not those of a process of
+    this host that is still writing).
     """
     directory, name = os.path.split(os.path.abspath(path))
     for stale in glob.glob(os.path.join(glob.escape(directory), f".tmp*-{glob.escape(name)}")):
-        os.remove(stale)
+        if not _writer_alive(os.path.basename(stale)[len(".tmp"):-len(name) - 1]):
+            with contextlib.suppress(FileNotFoundError):  # another writer removed it first
+                os.remove(stale)
     temp = os.path.join(directory, f".tmp{os.getpid()}-{name}")
     try:
         write(temp)
@@ -42,6 +45,19 @@ def atomic_write(write: Callable[[str], None], path: str) -> None:
     finally:
         if os.path.exists(temp):
             os.remove(temp)
+
+
+def _writer_alive(pid: str) -> bool:
+    """Whether the process ``pid`` (a temporary file's writer) runs on this host (and is not this process)."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def write_text(path: str, text: str) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 from tensorflow.python.eager import context  # private: TF's key-value store has no public API
 
 TIMEOUT_MS = 500
 _BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
 _forked = False  # a child forked from a worker: TensorFlow's client is not its own
+_before_leaving: list[Callable[[float], None]] = []  # leave_together calls each with the seconds it may take
 
 
 def _in_child() -> None:
@@ -74,26 +76,46 @@ def put(key: str, value: str) -> None:
     ctx = _context()
     if ctx is None:
         return
-    try:
-        ctx.delete_config_key_value(key)
-    except Exception:  # noqa: BLE001  (absent)
-        pass
+    delete(key)
     try:
         ctx.set_config_key_value(key, value)
     except Exception:  # noqa: BLE001  (the store is gone: the job is ending anyway)
         pass
 
 
+def delete(key: str) -> None:
+    """Removes ``key`` (nothing when absent or without a store)."""
+    ctx = _context()
+    if ctx is None:
+        return
+    try:
+        ctx.delete_config_key_value(key)
+    except Exception:  # noqa: BLE001  (absent, or the store is gone)
+        pass
+
+
+def before_leaving(callback: Callable[[float], None]) -> None:
+    """``callback(seconds)`` runs in ``leave_together`` before the process exits (atexit handlers do not run there),
+    within ``seconds``: the timeline's last publication."""
+    _before_leaving.append(callback)
+
+
 def leave_together(prefix: str, rank: int, size: int, exit_code: int, deadline: float) -> None:
     """Exits with ``exit_code`` once every worker reached this call (or ``deadline`` seconds passed).
 
     A worker that left earlier would fail its peers' pending collectives (they would exit with
-    that error instead), and worker 0 holds the store, so it leaves last.
+    that error instead), and worker 0 holds the store, so it leaves last. The ``before_leaving``
+    callbacks run first, within half of ``deadline``.
     """
+    end = time.monotonic() + deadline
+    for callback in _before_leaving:
+        try:
+            callback(max(0.0, end - deadline / 2 - time.monotonic()))
+        except Exception as error:  # noqa: BLE001  (leaving must not fail)
+            print(f"tfdist: before leaving: {error!r}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     put(f"{prefix}left/{rank}", "1")
-    end = time.monotonic() + deadline
     while size > 1 and time.monotonic() < end and any(get(f"{prefix}left/{r}") is None for r in range(size)):
         time.sleep(0.2)
     if rank == 0 and size > 1:

@@ -16,8 +16,10 @@ pass that point:
 * ``grads``: every gradient ready (forward and backward done);
 * ``reduced``: every bucket all-reduced;
 * per bucket ``b``, in steps traced while a timeline is asked for (``per_bucket``): ``ready_b`` and
-  ``reduced_b``, and its bytes in ``bucket_bytes()`` (launch order);
-* ``step``: the step's number in this process (from 0).
+  ``reduced_b``;
+* ``step``: the step's number in this process (from 0);
+* ``plan``: which bucket plan the step ran, an index into ``plans()`` (each bucket's bytes, in
+  launch order); NaN without per-bucket times.
 
 A step that ``tfdist.keras_fixes.gradient_buckets`` all-reduces (Keras' ``fit``, a custom loop
 that calls ``apply_gradients``) writes its row in one write; in ``fit``, the input times of its
@@ -38,7 +40,7 @@ from tensorflow.python.ops import resource_variable_ops  # private: a variable n
 
 RING_STEPS = 256
 MAX_BUCKETS = 16  # buckets past it are folded into the last one's columns
-COLUMNS = ("step", "input_start", "input_end", "data", "first_ready", "grads", "reduced") + tuple(
+COLUMNS = ("step", "plan", "input_start", "input_end", "data", "first_ready", "grads", "reduced") + tuple(
     f"{kind}_{b}" for b in range(MAX_BUCKETS) for kind in ("ready", "reduced"))
 INDEX = {name: i for i, name in enumerate(COLUMNS)}
 
@@ -47,7 +49,7 @@ _ring: tf.Variable | None = None      # [RING_STEPS, len(COLUMNS)] float64
 _counter: tf.Variable | None = None   # steps written so far (int64)
 _anchor: tf.Variable | None = None    # read by every clock read (see ``_now_after``)
 _latest_input: tf.Variable | None = None  # [start, end] of the latest batch's get_next
-_bucket_bytes: list[int] = []         # of the last traced plan, in launch order
+_plans: list[list[int]] = []          # each traced step's bucket bytes in launch order; a row's "plan" indexes it
 per_bucket = False                    # read the clock around each bucket too (a timeline: ``tfdist.timeline`` sets it)
 _local = threading.local()            # the step being traced in this thread (a replica's)
 
@@ -91,6 +93,7 @@ def _now_after(tensor=None) -> tf.Tensor:
     return tf.cond(predicate, read, read)
 
 
+@tf.autograph.experimental.do_not_convert  # tfdist's own graph code: AutoGraph cannot convert it
 def input_times(get_next):
     """``get_next()``'s result, the clock read around it (in a traced step only); the next row written takes them."""
     if not _traced_here():
@@ -113,12 +116,19 @@ class _Step:
         self.times: dict[str, tf.Tensor] = {} if data is None else {"data": data}
 
 
+@tf.autograph.experimental.do_not_convert  # tfdist's own graph code: AutoGraph cannot convert it
 def step_starts(data) -> None:
     """Notes, while tracing a replica's step, that its batch ``data`` is ready (the step's start)."""
     if _traced_here() and _first_local_replica():
         _local.step = _Step(_now_after(_number(data)))
 
 
+def step_ends() -> None:
+    """Drops what ``step_starts`` noted, when the step traced wrote no row (a test or predict step)."""
+    _local.step = None
+
+
+@tf.autograph.experimental.do_not_convert  # tfdist's own graph code: AutoGraph cannot convert it
 def buckets_timed(gradients: list, reduce_buckets) -> list:
     """Runs ``reduce_buckets(on_ready, on_reduced)`` and writes the step's row (in a traced step of the first local
     replica only; else just runs it). ``on_ready(b, tensors)`` / ``on_reduced(b, tensors)`` return ``tensors``
@@ -154,7 +164,9 @@ def buckets_timed(gradients: list, reduce_buckets) -> list:
         times = [t for key, t in step.times.items() if key.startswith(first)]
         if times:
             step.times[name] = tf.reduce_max(tf.stack(times))
-    _bucket_bytes[:] = sizes
+    if sizes not in _plans:
+        _plans.append(sizes)
+    step.times["plan"] = tf.constant(float(_plans.index(sizes)), tf.float64)
     _write(step)
     return reduced
 
@@ -214,6 +226,6 @@ def rows(since: int = 0) -> np.ndarray:
     return table[table[:, INDEX["step"]] >= since]
 
 
-def bucket_bytes() -> list[int]:
-    """The bytes of each bucket of the last traced plan, in launch order."""
-    return list(_bucket_bytes)
+def plans() -> list[list[int]]:
+    """Every bucket plan a step was traced with (each bucket's bytes, in launch order): a row's ``plan`` indexes it."""
+    return [list(plan) for plan in _plans]

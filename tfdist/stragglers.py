@@ -89,7 +89,8 @@ def verdict(summaries: list[Summary]) -> list[tuple[Summary, str]]:
         input_share = (summary.input_ms - best.input_ms) / excess
         cause = "waiting for its input" if input_share >= 0.5 else "computing"
         share = input_share if input_share >= 0.5 else 1 - input_share
-        named.append((summary, f"{excess / best.own_ms:.0%} slower than the fastest worker (own work "
+        slower = excess / best.own_ms if best.own_ms > 0 else float("inf")
+        named.append((summary, f"{slower:.0%} slower than the fastest worker (own work "
                                f"{summary.own_ms:.1f} ms a step against {best.own_ms:.1f}); {min(share, 1):.0%} "
                                f"of it {cause}"))
     return named
@@ -100,8 +101,10 @@ def report(summaries: list[Summary], size: int, what: str) -> list[str]:
     worker's line when one is named."""
     summaries = sorted(summaries, key=lambda s: s.rank)
     missing = sorted(set(range(size)) - {s.rank for s in summaries})
-    if len(summaries) < 2:
+    if not summaries:  # no worker timed its steps (a fit of under MIN_STEPS steps): nothing to say
         return []
+    if len(summaries) < 2:
+        return [f"tfdist: {what}: no straggler report: fewer than {MIN_STEPS} timed steps from worker(s) {missing}"]
     step = np.median([s.step_ms for s in summaries])
     head = (f"tfdist: {what}: {len(summaries)} workers, {step:.1f} ms a step (medians of the last "
             f"{min(s.steps for s in summaries)} steps)" + (f"; no steps from worker(s) {missing}" if missing else ""))
@@ -149,34 +152,44 @@ def start(rank: int, size: int) -> None:
 def _every_period(rank: int, size: int, period: float) -> None:
     """Worker 0 asks for every worker's medians of the steps since its last ask, and says who is slow (if anyone);
     the others answer each ask once. Off the training thread; nothing when no steps ran."""
-    asked, since = 0, 0
     if rank == 0:
         kvstore.put(_REQUEST, "0")  # exists from the start: reading it never leaves a call pending
-    tick = min(period, 10.0)
+    tick, state = min(period, 10.0), {"asked": 0, "since": 0}
     while True:
         time.sleep(period if rank == 0 else tick)
-        if rank == 0:
-            if step_clock.count() - since < MIN_STEPS:
-                continue
-            asked += 1
-            kvstore.put(_REQUEST, str(asked))
-        else:
-            value = kvstore.get(_REQUEST)
-            if not value or int(value) <= asked:
-                continue
-            asked = int(value)
-        mine = summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
-        since = step_clock.count()
-        kvstore.put(f"{_REQUEST}/{asked}/{rank}", json.dumps(None if mine is None else dataclasses.asdict(mine)))
-        if rank != 0:
-            continue
-        deadline, found = time.monotonic() + tick + 5, [mine] if mine is not None else []
-        for peer in range(1, size):
-            value = kvstore.wait_for(f"{_REQUEST}/{asked}/{peer}", deadline)
-            if value and value != "null":
-                found.append(Summary(**json.loads(value)))
-        lines = report(found, size, f"the last {period:g} s")
-        if verdict(found):  # quiet unless someone is slow: the fit's end says the rest
-            for line in lines:
-                print(line, file=sys.stderr, flush=True)
-            events.instant("report", lines[0])
+        try:
+            _one_period(rank, size, period, tick, state)
+        except Exception as error:  # noqa: BLE001  (a report is not worth a job: say it, try again next period)
+            print(f"tfdist: the periodic straggler report failed: {error!r}", file=sys.stderr, flush=True)
+
+
+def _one_period(rank: int, size: int, period: float, tick: float, state: dict[str, int]) -> None:
+    """One look of ``_every_period``; ``state``: the asks so far and the first step not reported yet."""
+    if rank == 0:
+        if step_clock.count() - state["since"] < MIN_STEPS:
+            return
+        state["asked"] += 1
+        kvstore.put(_REQUEST, str(state["asked"]))
+    else:
+        value = kvstore.get(_REQUEST)
+        if not value or int(value) <= state["asked"]:
+            return
+        state["asked"] = int(value)
+    mine = summarize(step_clock.rows(state["since"]), step_clock.INDEX, rank, socket.gethostname())
+    state["since"] = step_clock.count()
+    answers = f"{_REQUEST}/{state['asked']}/"
+    kvstore.put(f"{answers}{rank}", json.dumps(None if mine is None else dataclasses.asdict(mine)))
+    if rank != 0:
+        return
+    deadline, found = time.monotonic() + tick + 5, [mine] if mine is not None else []
+    for peer in range(1, size):
+        value = kvstore.wait_for(f"{answers}{peer}", deadline)
+        kvstore.delete(f"{answers}{peer}")
+        if value and value != "null":
+            found.append(Summary(**json.loads(value)))
+    kvstore.delete(f"{answers}0")
+    lines = report(found, size, f"the last {period:g} s")
+    if verdict(found):  # quiet unless someone is slow: the fit's end says the rest
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        events.instant("report", lines[0])

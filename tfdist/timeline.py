@@ -53,10 +53,13 @@ _KEY = "tfdist/timeline/"
 _LANES = {"steps": 1, "input": 2, "compute": 3, "all-reduce": 4, "host": 5}
 
 _path: str | None = None  # hvd.start_timeline's, over the environment's
-_offset: float | None = None  # this worker's clock minus worker 0's (seconds), once measured
+_stopped = False  # hvd.stop_timeline: no timeline, whatever the environment says
+_offset: float | None = None  # this worker's clock minus worker 0's (seconds), None: not measured
 _bound_ms = float("nan")  # how far off that may be
+_measured = False  # the measurement ran (it may have found no answer: _offset None)
 _started = False
-_fits = 0  # fits ended so far (every worker's the same count): how recent a part is
+_agreed = 0  # publications every worker asks for at the same point (a fit's end, stop_timeline): how recent a part is
+_renamed = False  # worker 0 moved an earlier attempt's file aside
 _wake = threading.Event()
 _publishing = threading.Lock()
 _measuring = threading.Lock()
@@ -64,19 +67,21 @@ _measuring = threading.Lock()
 
 def path() -> str | None:
     """Where worker 0 writes the timeline: ``hvd.start_timeline``'s, else TFDIST_TIMELINE, else HOROVOD_TIMELINE."""
-    found = _path or os.environ.get(ENV) or os.environ.get(ENV_HOROVOD)
+    found = None if _stopped else _path or os.environ.get(ENV) or os.environ.get(ENV_HOROVOD)
     return os.path.abspath(found) if found else None
 
 
 def set_path(value: str | None) -> None:
-    """``hvd.start_timeline(path)`` / ``stop_timeline()`` (None). Steps traced from now on time each bucket."""
-    global _path
-    _path = value
+    """``hvd.start_timeline(path)`` / ``stop_timeline()`` (None: no timeline, even one the environment asks for).
+    Steps traced from now on time each bucket, or not."""
+    global _path, _stopped
+    _path, _stopped = value, value is None
     step_clock.per_bucket = path() is not None
 
 
 def _measure_offset(rank: int, size: int) -> tuple[float, float]:
-    """This worker's clock minus worker 0's, and the estimate's bound, in seconds and ms (worker 0: (0, nan)).
+    """This worker's clock minus worker 0's, and the estimate's bound, in seconds and ms (worker 0: (0, nan); no
+    answer from worker 0 within ``COLLECT_S``: (None, nan)).
 
     Through the store, as NTP does: a worker asks worker 0 for its clock ``ROUNDS`` times; worker 0's
     timeline thread answers each ask as it reads it. An answer read ``rtt`` after the ask was taken
@@ -100,7 +105,7 @@ def _measure_offset(rank: int, size: int) -> tuple[float, float]:
         if answer is None:
             break
         best = min(best, (got - sent, (sent + got) / 2 - float(answer)))
-    return best[1], best[0] / 2 * 1e3
+    return (best[1], best[0] / 2 * 1e3) if math.isfinite(best[0]) else (None, float("nan"))
 
 
 def start(rank: int, size: int) -> None:
@@ -113,32 +118,33 @@ def start(rank: int, size: int) -> None:
     step_clock.per_bucket = path() is not None
     threading.Thread(target=_publisher, args=(rank, size), name="tfdist-timeline", daemon=True).start()
     atexit.register(_publish_at_exit, rank, size)
+    kvstore.before_leaving(lambda seconds: _publish_at_exit(rank, size, seconds))  # an agreed stop, a hang
     if path() is not None:
         _wake.set()  # measure the clocks' offsets now, while every worker starts
 
 
 def _measure_once(rank: int, size: int) -> None:
     """The clocks' offsets, the first time a timeline is asked for (every worker measures then)."""
-    global _offset, _bound_ms
+    global _offset, _bound_ms, _measured
     with _measuring:
-        if _offset is None:
+        if not _measured:
             _offset, _bound_ms = _measure_offset(rank, size)
+            _measured = True
             attempt = os.environ.get("TFDIST_RESTART", "0")
             events.instant("job", f"attempt {attempt}: {size} workers", attempt=attempt, workers=size)
 
 
-def _publish_at_exit(rank: int, size: int) -> None:
-    """At the interpreter's exit: the last publication (a script that ends within ``PERIOD_S`` writes its file);
-    worker 0 waits for every worker's last part."""
-    if path() is not None:
-        _measure_once(rank, size)
-        publish(rank, size, final=True)
+def _publish_at_exit(rank: int, size: int, seconds: float = COLLECT_S) -> None:
+    """At the interpreter's exit, or before leaving with every worker (an agreed stop, a hang): the last publication;
+    worker 0 waits up to ``seconds`` for every worker's last part."""
+    publish(rank, size, final=True, collect_s=seconds)
 
 
-def publish_soon(fits: int | None = None) -> None:
-    """The timeline thread publishes now (not the training thread): after ``fits`` fits, or a new timeline path."""
-    global _fits
-    _fits = _fits if fits is None else fits
+def publish_soon(agreed: bool = False) -> None:
+    """The timeline thread publishes now (not the training thread). ``agreed``: every worker asks for this one at the
+    same point (a fit's end): worker 0 waits for parts at least as recent."""
+    global _agreed
+    _agreed += agreed
     _wake.set()
 
 
@@ -149,7 +155,6 @@ def _publisher(rank: int, size: int) -> None:
         if path() is None:
             continue
         try:
-            _measure_once(rank, size)
             publish(rank, size)
         except Exception as error:  # noqa: BLE001  (a timeline must never stop training)
             print(f"tfdist timeline (worker {rank}): could not publish: {type(error).__name__}: {error}",
@@ -159,40 +164,61 @@ def _publisher(rank: int, size: int) -> None:
 def chunk(rank: int) -> dict:
     """This worker's part of the timeline."""
     rows = step_clock.rows()
-    return {"rank": rank, "host": socket.gethostname(), "offset": _offset or 0.0, "bound_ms": _bound_ms, "fits": _fits,
-            "columns": list(step_clock.COLUMNS), "buckets": step_clock.bucket_bytes(),
+    return {"rank": rank, "host": socket.gethostname(), "offset": _offset, "bound_ms": _bound_ms, "agreed": _agreed,
+            "columns": list(step_clock.COLUMNS), "plans": step_clock.plans(),
             "rows": [[None if math.isnan(v) else v for v in row] for row in rows.tolist()],
             "events": [{"kind": e.kind, "name": e.name, "start": e.start, "end": e.end, "args": e.args}
                        for e in events.recent()]}
 
 
-def publish(rank: int, size: int, final: bool = False) -> None:
-    """Publishes this worker's part; worker 0 then merges every worker's (waiting up to ``COLLECT_S`` for parts as
-    recent as its own: the same number of fits, or ``final`` ones: each worker's last, at exit) and writes the file."""
+def publish(rank: int, size: int, final: bool = False, agreed: bool = False, collect_s: float = COLLECT_S) -> None:
+    """Publishes this worker's part (its clock measured first); worker 0 then merges every worker's and writes the
+    file, waiting up to ``collect_s`` for parts as recent as its own: as many agreed publications (``agreed``: one
+    more, asked for by every worker at this point, as ``hvd.stop_timeline`` is), and ``final`` ones at exit."""
+    global _agreed
     target = path()
     if target is None:
         return
+    _agreed += agreed
+    _measure_once(rank, size)
     with _publishing:  # the timeline thread, the training thread (hvd.stop_timeline) and exit may all publish
-        _publish(target, rank, size, final)
+        _publish(target, rank, size, final, collect_s)
 
 
-def _publish(target: str, rank: int, size: int, final: bool) -> None:
+def _publish(target: str, rank: int, size: int, final: bool, collect_s: float) -> None:
     mine = {**chunk(rank), "final": final}
     kvstore.put(f"{_KEY}{rank}", json.dumps(mine))
     if rank != 0:
         return
-    parts, deadline = [mine], time.monotonic() + COLLECT_S
+    parts, deadline = [mine], time.monotonic() + collect_s
     for peer in range(1, size):
         part = None
         while time.monotonic() < deadline:
             value = kvstore.get(f"{_KEY}{peer}", 500)
             part = json.loads(value) if value else part
-            if part is not None and part["fits"] >= mine["fits"] and (part["final"] or not final):
+            if part is not None and part["agreed"] >= mine["agreed"] and (part["final"] or not final):
                 break
             time.sleep(0.1)
         if part is not None:
             parts.append(part)
-    atomic_files.write_text(target, json.dumps(trace(parts)))
+    _keep_earlier_attempt(target)
+    atomic_files.write_text(target, json.dumps(_finite(trace(parts)), allow_nan=False))
+
+
+def attempt_path(target: str, attempt: int) -> str:
+    """Where an earlier attempt's timeline is kept once the job restarts: ``trace.json`` -> ``trace.attempt0.json``."""
+    stem, suffix = os.path.splitext(target)
+    return f"{stem}.attempt{attempt}{suffix}"
+
+
+def _keep_earlier_attempt(target: str) -> None:
+    """Worker 0 of a restarted job (``TFDIST_RESTART`` N > 0), before its first write: the file an earlier attempt
+    wrote becomes ``attempt_path(target, N - 1)``; ``target`` then holds the latest attempt."""
+    global _renamed
+    attempt = int(os.environ.get("TFDIST_RESTART", "0") or 0)
+    if not _renamed and attempt > 0 and os.path.exists(target):
+        os.replace(target, attempt_path(target, attempt - 1))
+    _renamed = True
 
 
 def trace(parts: list[dict]) -> dict:
@@ -200,14 +226,17 @@ def trace(parts: list[dict]) -> dict:
     found = []
     for part in sorted(parts, key=lambda p: p["rank"]):
         found += _worker_events(part)
-    bound = max((p["bound_ms"] for p in parts if p["bound_ms"] == p["bound_ms"]), default=float("nan"))
+    bound = max((p["bound_ms"] for p in parts if p["bound_ms"] is not None and math.isfinite(p["bound_ms"])),
+                default=None)
     return {"traceEvents": found, "displayTimeUnit": "ms",
-            "otherData": {"producer": "tfdist", "clock_bound_ms": None if math.isnan(bound) else round(bound, 3),
-                          "clock_offsets_ms": {str(p["rank"]): round(p["offset"] * 1e3, 3) for p in parts}}}
+            "otherData": {"producer": "tfdist", "clock_bound_ms": None if bound is None else round(bound, 3),
+                          "clock_offsets_ms": {str(p["rank"]): None if p["offset"] is None else
+                                               round(p["offset"] * 1e3, 3) for p in parts},
+                          "clock_unmeasured": [p["rank"] for p in parts if p["offset"] is None]}}
 
 
 def _worker_events(part: dict) -> list[dict]:
-    pid, offset, index = part["rank"], part["offset"], {name: i for i, name in enumerate(part["columns"])}
+    pid, offset, index = part["rank"], part["offset"] or 0.0, {name: i for i, name in enumerate(part["columns"])}
     found = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"worker {pid} ({part['host']})"}},
              {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}]
     found += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": lane}}
@@ -227,7 +256,8 @@ def _worker_events(part: dict) -> list[dict]:
         span("compute", "forward", at["data"], at["first_ready"])
         span("compute", "backward", at["first_ready"], at["grads"])
         previous = None
-        for b, nbytes in enumerate(part["buckets"]):
+        plan = part["plans"][int(at["plan"])] if at.get("plan") is not None else []
+        for b, nbytes in enumerate(plan):
             ready, done = at.get(f"ready_{b}"), at.get(f"reduced_{b}")
             if ready is None or done is None:
                 continue
@@ -243,6 +273,17 @@ def _worker_events(part: dict) -> list[dict]:
         else:
             span("host", event["name"], event["start"], event["end"], kind=event["kind"], **event["args"])
     return found
+
+
+def _finite(value):
+    """``value`` (JSON data) with every NaN or infinity made null: JSON has neither (Perfetto's parser refuses them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _us(seconds: float) -> float:

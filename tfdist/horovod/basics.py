@@ -315,7 +315,7 @@ def stop_timeline() -> None:
     """Writes the timeline as it is now and stops (rank 0 writes the file; call it on every rank)."""
     cluster = _cluster("stop_timeline")
     if timeline.path() is not None and cluster.is_multi_worker:
-        timeline.publish(cluster.worker_index, cluster.num_workers)
+        timeline.publish(cluster.worker_index, cluster.num_workers, agreed=True)
     timeline.set_path(None)
 
 

@@ -32,13 +32,17 @@ patch = Patch(
     without="a multi-worker fit does not say which worker is slower than the others, writes no timeline, and "
             "gives TensorBoard no per-worker step times.")
 
-_KEY = "tfdist/report/"
-COLLECT_S = 10.0  # how long worker 0 waits for a worker's medians
+_KEY = "tfdist/report/"  # + "fit/<rank>" and "epochs/<rank>": one key a worker, each holding its latest
+COLLECT_S = 10.0  # how long worker 0 waits at a fit's end for a worker's medians
+_EPOCHS_KEPT = 4  # epochs a worker's "epochs" key holds: worker 0 writes a late one at a later epoch's end
 _fits = 0  # multi-worker fits so far in this process: the same count on every worker
 
 
-def _job(model) -> tuple[int, int] | None:
-    """(rank, workers) of ``model``'s multi-worker strategy, or None."""
+def _job(callbacks: CallbackList) -> tuple[int, int] | None:
+    """(rank, workers) of the multi-worker strategy of the model ``callbacks`` serve, or None."""
+    model = getattr(callbacks, "_model", None)
+    if model is None:
+        return None
     strategy = model.distribute_strategy
     workers = process_group.num_workers(strategy)
     return (process_group.worker_rank(strategy), workers) if workers > 1 else None
@@ -48,61 +52,97 @@ def _job(model) -> tuple[int, int] | None:
 def _first_step(original, self, logs=None):
     global _fits
     original(self, logs)
-    job = _job(self.model)
-    if job is not None:
+    if _job(self) is not None:
         _fits += 1
         self._tfdist_fit, self._tfdist_first_step = _fits, step_clock.count()
+        self._tfdist_epochs, self._tfdist_written = {}, set()
 
 
 @patch.replaces(CallbackList, "on_epoch_begin", ("self", "epoch", "logs"))
 def _epoch_first_step(original, self, epoch, logs=None):
     original(self, epoch, logs)
-    self._tfdist_epoch_first_step = step_clock.count() if _job(self.model) is not None else 0
+    self._tfdist_epoch_first_step = step_clock.count()
 
 
 @patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
 def _per_worker_scalars(original, self, epoch, logs=None):
+    """Every worker publishes the epoch's medians (TensorBoard or not: only worker 0's callbacks matter); worker 0
+    writes those it finds, without waiting (a worker's late epoch is written at a later epoch's end)."""
     original(self, epoch, logs)
-    job = _job(self.model)
-    boards = [c for c in self.callbacks if isinstance(c, TensorBoard)]
-    if job is None or not boards:
+    job, fit = _job(self), getattr(self, "_tfdist_fit", None)
+    if job is None or fit is None:
         return
-    summaries = _gather(f"{self._tfdist_fit}/epoch-{epoch}", *job, since=self._tfdist_epoch_first_step)
-    writer = getattr(boards[0], "_train_writer", None)
-    if job[0] != 0 or writer is None:
-        return
-    with writer.as_default():
-        for s in summaries:
-            for name, value in (("step_ms", s.step_ms), ("input_ms", s.input_ms), ("compute_ms", s.compute_ms)):
-                tf.summary.scalar(f"tfdist/worker_{s.rank}/{name}", value, step=epoch)
-    writer.flush()
+    rank, size = job
+    mine = _summary(rank, getattr(self, "_tfdist_epoch_first_step", self._tfdist_first_step))
+    epochs = self._tfdist_epochs
+    epochs[str(epoch)] = None if mine is None else mine.__dict__
+    for old in sorted(epochs, key=int)[:-_EPOCHS_KEPT]:
+        del epochs[old]
+    kvstore.put(f"{_KEY}epochs/{rank}", json.dumps({"fit": fit, "epochs": epochs}))
+    if rank == 0:
+        _write_scalars(self, size, deadline=time.monotonic())
 
 
 @patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
 def _report(original, self, logs=None):
+    """Gathers before the callbacks' own ends (TensorBoard closes its writers there), prints after."""
+    job, fit = _job(self), getattr(self, "_tfdist_fit", None)
+    lines = []
+    if job is not None and fit is not None:
+        lines = _gather_fit(self, fit, *job)
     original(self, logs)
-    job = _job(self.model)
-    if job is None:
-        return
-    rank, size = job
-    summaries = _gather(str(self._tfdist_fit), rank, size, since=self._tfdist_first_step)
-    if rank == 0:
-        for line in stragglers.report(summaries, size, "fit"):
-            print(line, file=sys.stderr, flush=True)
-            events.instant("report", line)
-    timeline.publish_soon(self._tfdist_fit)
+    for line in lines:
+        print(line, file=sys.stderr, flush=True)
+        events.instant("report", line)
+    if job is not None and fit is not None:
+        timeline.publish_soon(agreed=True)
 
 
-def _gather(tag: str, rank: int, size: int, since: int) -> list[stragglers.Summary]:
-    """Publishes this worker's medians of its steps numbered ``since`` on; on worker 0, everyone's it finds."""
-    mine = stragglers.summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
-    kvstore.put(f"{_KEY}{tag}/{rank}", json.dumps(None if mine is None else mine.__dict__))
+def _gather_fit(callbacks: CallbackList, fit: int, rank: int, size: int) -> list[str]:
+    """Every worker publishes its medians over the fit; worker 0 gathers them (and the epochs a worker published
+    late, for TensorBoard) and returns the report's lines."""
+    mine = _summary(rank, callbacks._tfdist_first_step)
+    kvstore.put(f"{_KEY}fit/{rank}", json.dumps({"fit": fit, "summary": None if mine is None else mine.__dict__}))
     if rank != 0:
         return []
     deadline = time.monotonic() + COLLECT_S
     found = [mine] if mine is not None else []
     for peer in range(1, size):
-        value = kvstore.wait_for(f"{_KEY}{tag}/{peer}", deadline)
-        if value and value != "null":
-            found.append(stragglers.Summary(**json.loads(value)))
-    return found
+        value = _of_this_fit(f"{_KEY}fit/{peer}", fit, deadline)
+        if value and value["summary"]:
+            found.append(stragglers.Summary(**value["summary"]))
+    _write_scalars(callbacks, size, deadline=time.monotonic())  # a worker's last epoch: published by now
+    return stragglers.report(found, size, "fit")
+
+
+def _summary(rank: int, since: int) -> stragglers.Summary | None:
+    return stragglers.summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
+
+
+def _of_this_fit(key: str, fit: int, deadline: float) -> dict | None:
+    """The value of a worker's ``key`` once it is about ``fit`` (None at ``deadline``; one read when it has passed)."""
+    while True:
+        value = kvstore.get(key, 1) if time.monotonic() >= deadline else kvstore.wait_for(key, deadline)
+        decoded = json.loads(value) if value else None
+        if (decoded and decoded["fit"] == fit) or time.monotonic() >= deadline:
+            return decoded if decoded and decoded["fit"] == fit else None
+        time.sleep(0.05)  # an earlier fit's value: the worker has not published this one yet
+
+
+def _write_scalars(callbacks: CallbackList, size: int, deadline: float) -> None:
+    """On worker 0 with a TensorBoard: each worker's epoch medians it has not written yet, as scalars."""
+    boards = [c for c in callbacks.callbacks if isinstance(c, TensorBoard)]
+    writer = getattr(boards[0], "_train_writer", None) if boards else None
+    if writer is None:
+        return
+    written = callbacks._tfdist_written
+    with writer.as_default():
+        for peer in range(size):
+            value = _of_this_fit(f"{_KEY}epochs/{peer}", callbacks._tfdist_fit, deadline)
+            for epoch, summary in (value["epochs"] if value else {}).items():
+                if summary is None or (peer, epoch) in written:
+                    continue
+                written.add((peer, epoch))
+                for name in ("step_ms", "input_ms", "compute_ms"):
+                    tf.summary.scalar(f"tfdist/worker_{peer}/{name}", summary[name], step=int(epoch))
+    writer.flush()

@@ -82,7 +82,10 @@ def _clocked(step_function):
     """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start)."""
     def step(data):
         step_clock.step_starts(data)
-        return step_function(data)
+        try:
+            return step_function(data)
+        finally:  # an evaluate or predict step all-reduces no gradients: its start must not reach the next step
+            step_clock.step_ends()
 
     return step
 
