@@ -309,15 +309,6 @@ def test_a_tape_loop_after_evaluate_trains(single):
     model.compile("sgd", "mse")
     x, y = np.ones((16, 4), "float32"), np.zeros((16, 3), "float32")
     before = model.evaluate(x, y, verbose=0)
-    optimizer = keras.optimizers.SGD(0.1)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
-        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
+    step = common.tape_step(hvd, model, keras.optimizers.SGD(0.1), x, y)
     losses = [float(step()) for _ in range(3)]
     assert losses[0] == pytest.approx(before) and losses[2] < losses[0]

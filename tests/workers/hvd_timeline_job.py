@@ -9,7 +9,6 @@ import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import tfdist.horovod as hvd
 from tests.workers import common
@@ -20,16 +19,7 @@ model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layer
 optimizer = keras.optimizers.SGD(0.01)
 x = np.random.default_rng(hvd.rank()).random((16, 8), dtype=np.float32)
 y = x.sum(axis=1, keepdims=True)
-
-
-@tf.function
-def step():
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((model(x) - y) ** 2)
-    grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
+step = common.tape_step(hvd, model, optimizer, x, y)
 
 hvd.broadcast_variables(model.variables, root_rank=0)
 hvd.start_timeline(f"{out_dir}/trace.json")
