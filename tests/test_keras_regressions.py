@@ -97,3 +97,47 @@ def test_fit_warns_about_shuffle_only_when_the_caller_passed_it():
     assert not [w for w in caught if "shuffle" in str(w.message)]
     with pytest.warns(UserWarning, match="`shuffle=True` was passed, but will be ignored"):
         model.fit(data, epochs=1, verbose=0, shuffle=True)
+
+
+def test_a_pydataset_with_workers_trains_every_batch_in_order_under_a_strategy():
+    """Keras builds the model from a batch of a throwaway iterator: a PyDataset with workers feeds every iterator from
+    one running enqueuer, so the first epoch started at batch 3 of 8 (and at a timing-dependent batch across workers:
+    tests/test_preemption.py's PyDataset job). Each batch's loss equals one device's. One epoch: with threads, Keras'
+    enqueuer can reorder a later epoch's batches on one device too (its race, seen 1 run in 4)."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 3)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=2, max_queue_size=2)
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return x[index * 8:(index + 1) * 8], y[index * 8:(index + 1) * 8]
+
+    class Losses(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(float(logs["loss"]))
+
+    def train(scope):
+        keras.utils.set_random_seed(3)
+        with scope:
+            model = _model()
+            model.compile(keras.optimizers.SGD(0.05), "mse")
+        losses = Losses()
+        model.fit(Batches(), epochs=1, verbose=0, shuffle=False, callbacks=[losses])
+        return losses.seen, model.get_weights()
+
+    one_losses, one_weights = train(tf.distribute.get_strategy().scope())
+    two_losses, two_weights = train(tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"]).scope())
+    np.testing.assert_allclose(two_losses, one_losses, rtol=1e-5)
+    for got, want in zip(two_weights, one_weights):
+        np.testing.assert_allclose(got, want, atol=1e-6)
