@@ -57,9 +57,10 @@ def run_job(on: bool, arm: str, steps: int, batch: int) -> same_job.StepTime:
         return same_job.StepTime(arm if on else "off", steps, json.loads(pathlib.Path(out).read_text())["seconds"])
 
 
-def micro(rounds: int, steps: int = 80) -> list[tuple[float, float]]:
+def micro(rounds: int, arm: str, steps: int = 80) -> list[tuple[float, float]]:
     """(with the clock, without) ms a step of Keras fit in this process, 2 replicas on 2 logical CPUs: two copies
-    of the job's model, one traced with the step clock and one without, in alternating fits."""
+    of the job's model, one traced with the step clock (``arm`` "timeline": with each bucket's reads too) and one
+    without, in alternating fits. The timeline's publication runs off the training thread, in jobs only."""
     import time
 
     os.environ.setdefault("TFDIST_CPU_DEVICES", "2")
@@ -84,7 +85,9 @@ def micro(rounds: int, steps: int = 80) -> list[tuple[float, float]]:
         model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
         return model
 
+    step_clock.per_bucket = arm == "timeline"
     with_clock = traced()
+    step_clock.per_bucket = False
     tf_fixes.input_clock.restore()
     step_clock.step_starts = lambda data: None
     step_clock.buckets_timed = lambda gradients, reduce_buckets: reduce_buckets(
@@ -114,7 +117,7 @@ def main() -> None:
     _, off_ms = same_job.alternate(args.rounds, lambda on: run_job(on, args.arm, args.steps, args.batch),
                                    f"{args.arm} ")
     if args.micro:
-        pairs = micro(args.micro_rounds)
+        pairs = micro(args.micro_rounds, args.arm)
         for index, (on, off) in enumerate(pairs):
             print(f"micro round {index + 1}: with the clock {on:.2f} ms a step, without {off:.2f} ms, "
                   f"on/off {on / off:.3f}")
