@@ -5,6 +5,7 @@ BackupAndRestore, exits 85, and the same command resumes exactly there (tests/wo
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.jobs import WORKERS, run_job
+from tests.jobs import WORKERS, job_env, run_job
 from tests.nodes_jobs import node_command, run_nodes
 from tests.workers import common
 from tfdist import cluster
@@ -307,3 +308,51 @@ def test_a_process_forked_while_the_stop_thread_holds_the_planes_lock_can_still_
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung on the plane's lock")
+
+
+def one_process(tmp_path, *args):
+    return subprocess.run([sys.executable, str(WORKERS / "one_process_stops_job.py"), str(tmp_path), *args],
+                          env=job_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_stop_at_the_last_call_of_an_epoch_of_unknown_length_resumes(tmp_path, k):
+    """Keras does not know the epoch's length: the backup says mid-epoch with every step done (with K > 1, more);
+    the rerun skipped past the data's end and crashed ("generator raised StopIteration") on every rerun."""
+    first = one_process(tmp_path, "unknown-length", str(k))
+    assert first.returncode == cluster.EXIT_PREEMPTED, first.stderr[-3000:]
+    second = one_process(tmp_path, "unknown-length", str(k))
+    assert second.returncode == 0 and "returned" in second.stdout, second.stderr[-3000:]
+    trained = [int(line.split()[1]) for line in (first.stdout + second.stdout).splitlines() if line.startswith("batches")]
+    assert trained[0] >= 10 and trained[1] == 10 + (-10 % k)  # the second epoch, whole (K rounds a last call up)
+
+
+def test_a_second_signal_during_the_preemptions_save_still_exits_85_saved(tmp_path):
+    result = one_process(tmp_path, "second-signal")
+    assert result.returncode == cluster.EXIT_PREEMPTED, result.stderr[-3000:]
+    assert "saved to" in result.stderr and "default action" not in result.stderr
+
+
+def test_a_custom_loop_driving_a_callback_list_of_an_uncompiled_model(tmp_path):
+    """The agreed stop's batch end read model.stop_training, which only compile creates: AttributeError."""
+    result = one_process(tmp_path, "callback-list")
+    assert result.returncode == 0 and "returned" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["thread", "slow-epoch-end"])
+def test_a_callbacks_stop_on_one_worker_is_agreed_from_a_thread_and_after_a_long_epoch_end(tmp_path, mode):
+    """thread: the plane started only in the main thread (Ray Train trains in another): worker 1 stopped alone and
+    worker 0 failed in the next collective. slow-epoch-end: the end verdict waited on the round's passed deadline
+    and fit raised 'worker 0 did not answer in time' on both."""
+    result = run_job("plane_edges_job.py", tmp_path, mode, timeout=180).check()
+    assert result.results[0]["steps"] == result.results[1]["steps"] == 4  # the step after the one that asked
+
+
+def test_a_frozen_store_holder_does_not_hang_the_job(tmp_path):
+    """Worker 0 (the store) frozen, a SIGTERM to worker 1: every store write blocked for ever (no grace period,
+    no hang timeout acted; the job ran until --timeout). Now the job ends well inside it, naming the failure."""
+    began = time.monotonic()
+    result = run_job("plane_edges_job.py", tmp_path, "frozen", timeout=150,
+                     launcher_args=("--grace-period", "10", "--hang-timeout", "20"))
+    assert result.returncode not in (0, 124) and time.monotonic() - began < 100, result.output[-3000:]
+    assert "ran past --timeout" not in result.output

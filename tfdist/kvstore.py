@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
 from tensorflow.python.eager import context  # private: TF's key-value store has no public API
 
 TIMEOUT_MS = 500
+WRITE_TIMEOUT_S = 5.0  # a write that has not returned by then: the store (worker 0) is frozen or gone
 _BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
 _forked = False  # a child forked from a worker: TensorFlow's client is not its own
 _before_leaving: list[Callable[[float], None]] = []  # leave_together calls each with the seconds it may take
+_unanswered = threading.Event()  # a write never returned: later writes are skipped (each would wait for ever)
 
 
 def _in_child() -> None:
@@ -60,10 +63,11 @@ def wait_for(key: str, deadline: float) -> str | None:
     value (it is gone, or refuses), the next read comes after a pause that doubles up to a second.
     """
     pause = _BACKOFF_S[0]
-    while (left := deadline - time.monotonic()) > 0:
+    while True:  # one read at least: a value set before the deadline passed is found after it too
+        left = deadline - time.monotonic()
         began = time.monotonic()
         value = get(key, max(1, int(min(left, 1.0) * 1000)))
-        if value is not None:
+        if value is not None or deadline - time.monotonic() <= 0:
             return value
         if time.monotonic() - began < 0.5 * min(left, 1.0):  # failed fast: back off
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
@@ -72,26 +76,41 @@ def wait_for(key: str, deadline: float) -> str | None:
 
 
 def put(key: str, value: str) -> None:
-    """Sets ``key``, replacing what it held (nothing without a store)."""
-    ctx = _context()
-    if ctx is None:
-        return
-    delete(key)
-    try:
-        ctx.set_config_key_value(key, value)
-    except Exception:  # noqa: BLE001  (the store is gone: the job is ending anyway)
-        pass
+    """Sets ``key``, replacing what it held (nothing without a store; see ``_bounded``)."""
+    def write(ctx) -> None:
+        _delete(ctx, key)
+        try:
+            ctx.set_config_key_value(key, value)
+        except Exception:  # noqa: BLE001  (the store is gone: the job is ending anyway)
+            pass
+
+    _bounded(write)
 
 
 def delete(key: str) -> None:
-    """Removes ``key`` (nothing when absent or without a store)."""
-    ctx = _context()
-    if ctx is None:
-        return
+    """Removes ``key`` (nothing when absent or without a store; see ``_bounded``)."""
+    _bounded(lambda ctx: _delete(ctx, key))
+
+
+def _delete(ctx, key: str) -> None:
     try:
         ctx.delete_config_key_value(key)
     except Exception:  # noqa: BLE001  (absent, or the store is gone)
         pass
+
+
+def _bounded(write: Callable) -> None:
+    """Runs ``write(ctx)`` for at most WRITE_TIMEOUT_S. TensorFlow's writes have no timeout: with worker 0 (the
+    store) frozen one never returns, and neither would its caller (a stop's verdict, the grace period's timer).
+    After one such write every later one is skipped."""
+    ctx = _context()
+    if ctx is None or _unanswered.is_set():
+        return
+    writer = threading.Thread(target=write, args=(ctx,), name="tfdist-store-write", daemon=True)
+    writer.start()
+    writer.join(WRITE_TIMEOUT_S)
+    if writer.is_alive():
+        _unanswered.set()
 
 
 def before_leaving(callback: Callable[[float], None]) -> None:

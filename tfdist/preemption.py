@@ -136,7 +136,7 @@ class _Plane:
     def start(self, rank: int, size: int) -> None:
         self.rank, self.size, self.grace = rank, size, stop_signals.grace_from_env()
         self.shared, self.started = size > 1 and kvstore.available(), True
-        signals = stop_signals.signals_from_env()
+        signals = stop_signals.signals_from_env() if threading.current_thread() is threading.main_thread() else ()
         if signals:
             self.watcher = stop_signals.Watcher(signals, self.note)
             self.watcher.start()
@@ -165,15 +165,16 @@ class _Plane:
 
     def close(self, session: _Session, failed: bool = False) -> None:
         """Ends ``session``; a stop signal it did not honour acts now (``failed``: it waits for the next one)."""
-        with self.lock:
+        with self.lock:  # no store call under the lock: the stop thread takes it too
             if session in self.stack:
                 del self.stack[self.stack.index(session):]
             if session.closed:
                 return
             session.closed = True
-            if session.shared and not session.reported:
-                session.reported = True
-                kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": True}))
+            report = session.shared and not session.reported
+            session.reported = session.reported or report
+        if report:
+            kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": True}))
         if self.signal_session is not session:
             return
         if failed:
@@ -184,9 +185,10 @@ class _Plane:
     def end_of_steps(self, session: _Session) -> Decision | None:
         """The verdict when a fit's steps end (every worker's ``end`` flag), then the session's end."""
         with self.lock:
-            if session.shared and not session.reported:  # a late request must not wait for this worker
-                session.reported = True
-                kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": True}))
+            report = session.shared and not session.reported  # a late request must not wait for this worker
+            session.reported = session.reported or report
+        if report:
+            kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": True}))
         if session.decision is None or not session.decision.preempt:
             session.decision = self._verdict(session, "end", session.completed) or session.decision
         self.close(session)
@@ -197,6 +199,8 @@ class _Plane:
 
     def note(self, signum: int) -> None:
         """A stop signal arrived (the stop thread or the handler; maybe both for one arrival)."""
+        if self.stopping is not None:
+            return  # saving for an agreed preemption already: this one exits 85 as it is
         session = self._taking_signals()
         if session is None:
             self._default_action("no training runs to stop at an agreed step", signum)
@@ -238,9 +242,15 @@ class _Plane:
             if session.reported or session.closed:
                 return
             session.why, session.reported = why, True
-            session.deadline = time.monotonic() + (max(1.0, self.grace - _MARGIN_S) if signalled else ASKED_TIMEOUT_S)
+            session.deadline = self._deadline()
             session.check_at = 0
-            kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": False}))
+        kvstore.put(session.key("report", self.rank), json.dumps({"step": session.completed, "ended": False}))
+
+    def _deadline(self) -> float:
+        """How long an exchange may wait for every worker: inside the grace period of a signal, else ASKED_TIMEOUT_S."""
+        if self.signalled is not None:
+            return max(time.monotonic() + 1.0, self.signalled_at + self.grace - _MARGIN_S)
+        return time.monotonic() + ASKED_TIMEOUT_S
 
     def run(self) -> None:
         """The stop thread: notes signals, publishes this worker's as a request, learns of requests, runs grace
@@ -287,9 +297,7 @@ class _Plane:
         signalled = self.signal_session is session and self.signalled is not None
         flags = [{"preempt": signalled, "why": f"{self.signalled} to worker {self.rank}"}]
         if session.shared:
-            if session.deadline == float("inf"):  # no round: the verdict at the end of a fit's steps
-                session.deadline = time.monotonic() + (
-                    max(1.0, self.grace - _MARGIN_S) if self.signalled is not None else ASKED_TIMEOUT_S)
+            session.deadline = self._deadline()  # its own: a round's may have passed (a long validation since)
             kvstore.put(session.key(what, self.rank), json.dumps(flags[0]))
             flags = self._everyones(session, what)
         signals = [flag["why"] for flag in flags if flag["preempt"]]
@@ -348,8 +356,8 @@ def start(rank: int, size: int) -> bool:
     """Arms the agreed stop in this process (once): this worker's place in the job, the stop signals'
     handlers and the stop thread. Returns whether stop signals are handled (not outside the main thread).
     """
-    if not _plane.started and threading.current_thread() is threading.main_thread():
-        _plane.start(rank, size)
+    if not _plane.started:  # from any thread (Ray Train runs the training function in one): only the signal
+        _plane.start(rank, size)  # handlers need the main thread
     return armed()
 
 

@@ -182,8 +182,11 @@ def _skip_steps_the_backup_had_done(original, self):
     skip = preemption.take_resume()
     for item in original(self):  # (step, iterator) before Keras 3.11, (begin, end, iterator) since
         if item[0] + self.steps_per_execution <= skip:
-            for _ in range(self.steps_per_execution):
-                next(item[-1])
+            try:
+                for _ in range(self.steps_per_execution):
+                    next(item[-1])
+            except (StopIteration, tf.errors.OutOfRangeError):
+                return  # a dataset of unknown length saved at its epoch's last step: that epoch was complete
             continue
         yield item
 

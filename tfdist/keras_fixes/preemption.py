@@ -85,7 +85,8 @@ def _arm(original, self, logs=None):
         backup._tfdist_callbacks = self.callbacks
         callback_state.restore(self.callbacks, backup._training_metadata_path)
     if preemption.armed() and not _hinted and preemption.rank() == 0 and not backups and \
-            any(name in os.environ for name in _SCHEDULER_VARIABLES) and _several_workers(self.model):
+            any(name in os.environ for name in _SCHEDULER_VARIABLES) and preemption.in_fit() and \
+            _several_workers(self._model):
         _hinted = True
         print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
               "every worker stops at an agreed step but nothing is saved; add BackupAndRestore(DIR) to the "
@@ -95,8 +96,10 @@ def _arm(original, self, logs=None):
 @patch.replaces(CallbackList, "on_train_batch_end", ("self", "batch", "logs"))
 def _stop_at_the_agreed_step(original, self, batch, logs=None):
     original(self, batch, logs)
-    model = self.model
-    if model.stop_training and _several_workers(model):
+    model = getattr(self, "_model", None)
+    if model is None or not preemption.in_fit():
+        return  # a custom loop driving a CallbackList: should_stop is its way to stop
+    if getattr(model, "stop_training", False) and _several_workers(model):
         model.stop_training = False  # one worker alone must not stop: ask every worker to stop together
         preemption.request(f"a callback set model.stop_training on worker {preemption.rank()} "
                            f"at batch {batch}")
@@ -122,8 +125,8 @@ def _epoch_end_together(original, self, epoch, logs=None):
     decision = preemption.decision()
     if decision is not None and decision.preempt:
         _save_and_exit(self, decision)
-    model = getattr(self, "model", None)
-    if model is not None and _several_workers(model):
+    model = getattr(self, "_model", None)
+    if model is not None and preemption.in_fit() and _several_workers(model):
         model.stop_training = sum_over_workers(float(bool(model.stop_training)), model) > 0
 
 
