@@ -60,6 +60,7 @@ _measured = False  # the measurement ran (it may have found no answer: _offset N
 _started = False
 _agreed = 0  # publications every worker asks for at the same point (a fit's end, stop_timeline): how recent a part is
 _renamed = False  # worker 0 moved an earlier attempt's file aside
+_pid = 0  # the worker's process (a child forked from it publishes nothing: its copy would overwrite the file)
 _wake = threading.Event()
 _publishing = threading.Lock()
 _measuring = threading.Lock()
@@ -111,10 +112,10 @@ def _measure_offset(rank: int, size: int) -> tuple[float, float]:
 def start(rank: int, size: int) -> None:
     """In a multi-worker process (once, as its strategy is built): the timeline thread, idle until a timeline is
     asked for (the environment, ``hvd.start_timeline``)."""
-    global _started
+    global _started, _pid
     if _started or size < 2:
         return
-    _started = True
+    _started, _pid = True, os.getpid()
     step_clock.per_bucket = path() is not None
     threading.Thread(target=_publisher, args=(rank, size), name="tfdist-timeline", daemon=True).start()
     atexit.register(_publish_at_exit, rank, size)
@@ -137,7 +138,8 @@ def _measure_once(rank: int, size: int) -> None:
 def _publish_at_exit(rank: int, size: int, seconds: float = COLLECT_S) -> None:
     """At the interpreter's exit, or before leaving with every worker (an agreed stop, a hang): the last publication;
     worker 0 waits up to ``seconds`` for every worker's last part."""
-    publish(rank, size, final=True, collect_s=seconds)
+    if os.getpid() == _pid:
+        publish(rank, size, final=True, collect_s=seconds)
 
 
 def publish_soon(agreed: bool = False) -> None:
