@@ -9,6 +9,7 @@ goes to each worker's process group), and "pydataset-none" the same data, never 
 worker appends each (epoch, batch) it trained to
 OUT_DIR/steps<rank>-<pid>.json as it goes, and writes its final weights and
 optimizer.iterations when fit returns.
+(Run by tests/test_preemption.py through tests.jobs.run_job, which bounds every job with a timeout.)
 """
 
 import json
