@@ -195,3 +195,20 @@ def test_hvd_stop_timeline_writes_every_ranks_steps_and_stops(tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     for pid in (0, 1):
         assert sum(e["ph"] == "X" and e["pid"] == pid and e["name"].startswith("step ") for e in events) == 30
+
+
+@pytest.mark.parametrize("given, message", [
+    ("/nonexistent-dir/trace.json", r"--timeline: the timeline '/nonexistent-dir/trace.json' cannot be written: its "
+                                    r"directory /nonexistent-dir does not exist \(create it first\)"),
+    (".", r"--timeline: the timeline '\.' is a directory: give a file name, e.g\. \./trace\.json"),
+])
+def test_a_timeline_that_cannot_be_written_is_an_error_before_any_worker_starts(given, message):
+    """It was found at the first publication, after a whole fit, and the trace was lost."""
+    import subprocess
+    import sys
+
+    from tests.jobs import job_env
+
+    result = subprocess.run([sys.executable, "-m", "tfdist.run", "-n", "2", "--timeline", given, "--", sys.executable,
+                             "-c", "raise SystemExit(3)"], env=job_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and re.search(message, result.stderr), result.stderr

@@ -376,3 +376,16 @@ def mark_stage(stage: str, env: Mapping[str, str] | None = None) -> None:
     if directory and stage in STAGES:
         with open(os.path.join(directory, f"{stage}-{env.get(ENV_WORKER_INDEX, '0')}"), "w") as mark:
             mark.write(str(os.getpid()))  # the process that reached it
+
+
+def timeline_path_problem(path: str) -> str | None:
+    """Why worker 0 could not write a timeline to ``path`` (``--timeline``, TFDIST_TIMELINE), or None."""
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    if os.path.isdir(target):
+        return f"the timeline {path!r} is a directory: give a file name, e.g. {os.path.join(path, 'trace.json')}"
+    if not os.path.isdir(directory):
+        return f"the timeline {path!r} cannot be written: its directory {directory} does not exist (create it first)"
+    if not os.access(directory, os.W_OK):
+        return f"the timeline {path!r} cannot be written: its directory {directory} is not writable"
+    return None

@@ -196,6 +196,9 @@ def _check_args(args: argparse.Namespace) -> list[str]:
     _check_numbers(args)
     if not args.no_fixes and local.missing_site_hook():
         raise LaunchError(local.missing_site_hook())
+    problem = cluster.timeline_path_problem(args.timeline) if args.timeline else None
+    if problem and not (args.hosts or args.hostfile or args.ray is not None) and args.nnodes in (None, "1"):  # this host
+        raise LaunchError(f"--timeline: {problem}.")
     if args.horovod and args.no_fixes:
         raise LaunchError("--horovod works through tfdist's start-up hook, which --no-fixes turns off; "
                           "drop one of them.")

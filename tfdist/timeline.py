@@ -121,6 +121,9 @@ def start(rank: int, size: int) -> None:
     atexit.register(_publish_at_exit, rank, size)
     kvstore.before_leaving(lambda seconds: _publish_at_exit(rank, size, seconds))  # an agreed stop, a hang
     if path() is not None:
+        problem = cluster.timeline_path_problem(path()) if rank == 0 else None
+        if problem:  # said now, not after the training (the writes would fail at every publication)
+            print(f"tfdist timeline: {problem}; no timeline will be written.", file=sys.stderr, flush=True)
         _wake.set()  # measure the clocks' offsets now, while every worker starts
 
 
@@ -203,6 +206,8 @@ def _publish(target: str, rank: int, size: int, final: bool, collect_s: float) -
             time.sleep(0.1)
         if part is not None:
             parts.append(part)
+    if cluster.timeline_path_problem(target):
+        return  # said at the start; a directory made since is written to
     _keep_earlier_attempt(target)
     atomic_files.write_text(target, json.dumps(_finite(trace(parts)), allow_nan=False))
 
