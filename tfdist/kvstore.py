@@ -22,7 +22,7 @@ WRITE_TIMEOUT_S = 5.0  # a write that has not returned by then: the store (worke
 _BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
 _forked = False  # a child forked from a worker: TensorFlow's client is not its own
 _before_leaving: list[Callable[[float], None]] = []  # leave_together calls each with the seconds it may take
-_unanswered = threading.Event()  # a write never returned: later writes are skipped (each would wait for ever)
+_stuck: threading.Thread | None = None  # a write past WRITE_TIMEOUT_S: later ones are skipped while it waits
 
 
 def _in_child() -> None:
@@ -102,15 +102,17 @@ def _delete(ctx, key: str) -> None:
 def _bounded(write: Callable) -> None:
     """Runs ``write(ctx)`` for at most WRITE_TIMEOUT_S. TensorFlow's writes have no timeout: with worker 0 (the
     store) frozen one never returns, and neither would its caller (a stop's verdict, the grace period's timer).
-    After one such write every later one is skipped."""
+    While such a write still waits, later ones are skipped (each would wait too); once it returns (a store that
+    was only slow), writes go on."""
+    global _stuck
     ctx = _context()
-    if ctx is None or _unanswered.is_set():
+    if ctx is None or (_stuck is not None and _stuck.is_alive()):
         return
     writer = threading.Thread(target=write, args=(ctx,), name="tfdist-store-write", daemon=True)
     writer.start()
     writer.join(WRITE_TIMEOUT_S)
     if writer.is_alive():
-        _unanswered.set()
+        _stuck = writer
 
 
 def before_leaving(callback: Callable[[float], None]) -> None:

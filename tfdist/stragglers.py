@@ -76,6 +76,11 @@ def summarize(rows: np.ndarray, columns: dict[str, int], rank: int, host: str) -
                    float(np.percentile(own, 25) * 1e3), float(np.percentile(own, 75) * 1e3))
 
 
+def own(rank: int, since: int = 0) -> Summary | None:
+    """This worker's medians of its steps numbered ``since`` on (``step_clock``), or None under MIN_STEPS steps."""
+    return summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
+
+
 def verdict(summaries: list[Summary]) -> list[tuple[Summary, str]]:
     """The workers slower than the fastest one, slowest first, each with why (a phrase)."""
     if len(summaries) < 2:
@@ -175,7 +180,7 @@ def _one_period(rank: int, size: int, period: float, tick: float, state: dict[st
         if not value or int(value) <= state["asked"]:
             return
         state["asked"] = int(value)
-    mine = summarize(step_clock.rows(state["since"]), step_clock.INDEX, rank, socket.gethostname())
+    mine = own(rank, state["since"])
     state["since"] = step_clock.count()
     answers = f"{_REQUEST}/{state['asked']}/"
     kvstore.put(f"{answers}{rank}", json.dumps(None if mine is None else dataclasses.asdict(mine)))

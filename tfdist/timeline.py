@@ -40,8 +40,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 from tfdist import atomic_files, cluster, events, kvstore, step_clock
 
 ENV = cluster.ENV_TIMELINE

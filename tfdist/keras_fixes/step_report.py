@@ -16,7 +16,6 @@ Under a multi-worker strategy (each worker's times from ``tfdist.step_clock``):
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
@@ -73,7 +72,7 @@ def _per_worker_scalars(original, self, epoch, logs=None):
     if job is None or fit is None:
         return
     rank, size = job
-    mine = _summary(rank, getattr(self, "_tfdist_epoch_first_step", self._tfdist_first_step))
+    mine = stragglers.own(rank, getattr(self, "_tfdist_epoch_first_step", self._tfdist_first_step))
     epochs = self._tfdist_epochs
     epochs[str(epoch)] = None if mine is None else mine.__dict__
     for old in sorted(epochs, key=int)[:-_EPOCHS_KEPT]:
@@ -101,7 +100,7 @@ def _report(original, self, logs=None):
 def _gather_fit(callbacks: CallbackList, fit: int, rank: int, size: int) -> list[str]:
     """Every worker publishes its medians over the fit; worker 0 gathers them (and the epochs a worker published
     late, for TensorBoard) and returns the report's lines."""
-    mine = _summary(rank, callbacks._tfdist_first_step)
+    mine = stragglers.own(rank, callbacks._tfdist_first_step)
     kvstore.put(f"{_KEY}fit/{rank}", json.dumps({"fit": fit, "summary": None if mine is None else mine.__dict__}))
     if rank != 0:
         return []
@@ -113,10 +112,6 @@ def _gather_fit(callbacks: CallbackList, fit: int, rank: int, size: int) -> list
             found.append(stragglers.Summary(**value["summary"]))
     _write_scalars(callbacks, size, deadline=time.monotonic())  # a worker's last epoch: published by now
     return stragglers.report(found, size, "fit")
-
-
-def _summary(rank: int, since: int) -> stragglers.Summary | None:
-    return stragglers.summarize(step_clock.rows(since), step_clock.INDEX, rank, socket.gethostname())
 
 
 def _of_this_fit(key: str, fit: int, deadline: float) -> dict | None:
