@@ -356,3 +356,35 @@ def test_a_frozen_store_holder_does_not_hang_the_job(tmp_path):
                      launcher_args=("--grace-period", "10", "--hang-timeout", "20"))
     assert result.returncode not in (0, 124) and time.monotonic() - began < 100, result.output[-3000:]
     assert "ran past --timeout" not in result.output
+
+
+def test_a_store_write_that_does_not_return_is_given_up_and_writes_go_on_once_it_does(monkeypatch):
+    """A frozen store held every writer for ever; a store that was only slow once must not silence the process
+    for good (its heartbeats stopping would make the peers' watchdogs name it silent)."""
+    import threading
+
+    from tfdist import kvstore
+
+    release, written = threading.Event(), []
+
+    class Store:
+        def delete_config_key_value(self, key):
+            pass
+
+        def set_config_key_value(self, key, value):
+            if value == "slow":
+                release.wait(30)
+            written.append(value)
+
+    monkeypatch.setattr(kvstore, "_context", lambda: Store())
+    monkeypatch.setattr(kvstore, "WRITE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kvstore, "_stuck", None)
+    began = time.monotonic()
+    kvstore.put("key", "slow")
+    assert time.monotonic() - began < 5
+    kvstore.put("key", "while it waits")
+    release.set()
+    while written != ["slow"] and time.monotonic() - began < 20:
+        time.sleep(0.01)
+    kvstore.put("key", "after")
+    assert written == ["slow", "after"]
