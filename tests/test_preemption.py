@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -230,6 +231,25 @@ def test_a_signal_while_waiting_inside_tensorflow_takes_its_default_action_after
     assert ("[0] tfdist: worker 0: SIGTERM takes its default action: no agreed step honoured it within the grace "
             "period (10 s)") in result.output
     assert ended - (tmp_path / "signalled").stat().st_mtime < 25  # not the 40 s worker 1 sleeps
+
+
+def test_a_stop_signal_after_the_process_chose_its_exit_code_does_not_replace_it():
+    """The hang watchdog decided on EXIT_HANG; the launcher, seeing a peer leave, sends SIGTERM while this worker
+    waits for its peers to leave too: the job read "killed by SIGTERM" for a worker its watchdog had stopped."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from tfdist import stop_signals
+        watcher = stop_signals.Watcher((signal.SIGTERM,), stop_signals.default_action)  # as with no fit running
+        watcher.start()
+        stop_signals.exiting()
+        os.kill(os.getpid(), signal.SIGTERM)
+        watcher.wait(0.5)
+        time.sleep(0.2)  # the handler's turn, in the main thread
+        stop_signals.default_action(signal.SIGTERM)  # a grace period that ran out meanwhile
+        sys.exit(86)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 86, result.stderr[-2000:]
 
 
 def test_a_store_that_fails_at_once_is_read_with_pauses_until_the_deadline(monkeypatch):

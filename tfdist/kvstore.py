@@ -17,6 +17,8 @@ from typing import Callable
 
 from tensorflow.python.eager import context  # private: TF's key-value store has no public API
 
+from tfdist import stop_signals
+
 TIMEOUT_MS = 500
 WRITE_TIMEOUT_S = 5.0  # a write that has not returned by then: the store (worker 0) is frozen or gone
 _BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
@@ -128,6 +130,7 @@ def leave_together(prefix: str, rank: int, size: int, exit_code: int, deadline: 
     that error instead), and worker 0 holds the store, so it leaves last. The ``before_leaving``
     callbacks run first, within half of ``deadline``.
     """
+    stop_signals.exiting()
     end = time.monotonic() + deadline
     for callback in _before_leaving:
         try:

@@ -8,6 +8,9 @@ main thread waits inside TensorFlow), and at once from a thread of tfdist's that
 the C-level handler writes to a wake-up pipe (``signal.set_wakeup_fd``; not when another
 library, an asyncio loop, holds it). ``on_signal`` may so run twice for one arrival.
 ``default_action`` ends the process as the signal would have without tfdist, from any thread.
+Once ``exiting`` is called (the process leaves with an exit code of its own: the hang watchdog's,
+an agreed stop's), stop signals are dropped and take no default action, so that code is the one
+the launcher reads.
 A process forked from a worker gets every stop signal's default action back at the fork.
 
 Standard library only.
@@ -27,6 +30,7 @@ from tfdist import cluster
 ENV_SIGNALS = cluster.ENV_STOP_SIGNALS
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 _libc = ctypes.CDLL(None)  # loaded now: a thread may need libc's signal() late
+_exiting = threading.Event()
 
 
 def signals_from_env(environ: Mapping[str, str] | None = None) -> tuple[signal.Signals, ...]:
@@ -76,7 +80,7 @@ class Watcher:
 
     def start(self) -> None:
         for sig in self.signals:
-            signal.signal(sig, lambda signum, frame: self.on_signal(signum))
+            signal.signal(sig, lambda signum, frame: self._deliver(signum))
         read, write = os.pipe()
         os.set_blocking(read, False)
         os.set_blocking(write, False)
@@ -100,7 +104,11 @@ class Watcher:
                 return
             for signum in arrived:
                 if signum in self.signals:
-                    self.on_signal(signum)
+                    self._deliver(signum)
+
+    def _deliver(self, signum: int) -> None:
+        if not _exiting.is_set():
+            self.on_signal(signum)
 
     def _in_child(self) -> None:
         self.forked = True
@@ -110,8 +118,16 @@ class Watcher:
             signal.signal(sig, signal.SIG_DFL)
 
 
+def exiting() -> None:
+    """This process leaves now with an exit code of its own: stop signals are dropped from here on."""
+    _exiting.set()
+
+
 def default_action(signum: int) -> None:
-    """Ends this process as ``signum`` would have without tfdist's handler (from any thread)."""
+    """Ends this process as ``signum`` would have without tfdist's handler (from any thread); nothing once
+    ``exiting`` was called."""
+    if _exiting.is_set():
+        return
     if threading.current_thread() is threading.main_thread():
         signal.signal(signum, signal.SIG_DFL)
     else:  # only the main thread may use the signal module

@@ -49,7 +49,7 @@ import traceback
 from typing import Any, Callable, Mapping
 
 import tensorflow as tf
-from tfdist import cluster, events, kvstore
+from tfdist import cluster, events, kvstore, stop_signals
 
 ENV = cluster.ENV_HANG_TIMEOUT
 EXIT_HANG = cluster.EXIT_HANG
@@ -304,6 +304,7 @@ class _Watchdog:
 
         ``together``: with the peers (``kvstore.leave_together``); False when none can leave (all silent or gone).
         """
+        stop_signals.exiting()  # the launcher's SIGTERM, once a peer left, must not turn EXIT_HANG into a kill
         deadline = 2 * self.tick + 10
         last_resort = threading.Timer(deadline + 5, os._exit, (EXIT_HANG,))  # whatever the store does
         last_resort.name, last_resort.daemon = "tfdist-hang-watchdog-exit", True
