@@ -202,6 +202,7 @@ def test_the_guides_script_unchanged_under_tfdist_run(tmp_path, one_device):
         assert result["devices"] == [f"/job:worker/replica:0/task:{task}/device:CPU:0" for task in (0, 1)]
         assert (result["num_processes"], result["process_id"], result["replicas"]) == (2, rank, 2)
         assert result["batch_sizes"] == [guide.GLOBAL_BATCH // 2] and result["steps"] == GUIDE_STEPS
+        assert result["iterations"] == GUIDE_STEPS  # an optimizer step per batch trained, no more
     for a, b, want in zip(results[0]["weights"], results[1]["weights"], one_device):
         np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(a, want, atol=1e-6)
+        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)  # Adam: a step counted twice moved them 1e-4

@@ -122,3 +122,20 @@ def test_auto_trains_the_steps_asked_for_when_k_changes_between_fits(fresh_tfdis
         model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, steps_per_epoch=steps, callbacks=callbacks)
         assert int(model.optimizer.iterations.numpy()) - before == steps, (callbacks, steps)
         assert seen == (list(range(steps)) if callbacks else [])
+
+
+@pytest.mark.parametrize("per_batch_callback", [False, True], ids=["k-auto", "k-1"])
+def test_a_dataset_of_unknown_length_trains_one_optimizer_step_per_batch(fresh_tfdist_strategy, per_batch_callback):
+    """Keras ends such an epoch when a call's first get_next finds no data; the optimizer's step counter does
+    not depend on the data, so TensorFlow ran its increment in that failed call: one extra step an epoch
+    (Adam's bias correction and every schedule moved), 15 steps for 3 epochs of 4 batches."""
+    import tfdist
+
+    with tfdist.scope(devices="CPU:[0-1]") as strategy:
+        model = compiled(strategy)
+    x = np.random.default_rng(0).random((64, 6)).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).filter(lambda a, b: True).batch(16)
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    callbacks = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)] * per_batch_callback
+    model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks)
+    assert int(model.optimizer.iterations.numpy()) == 12

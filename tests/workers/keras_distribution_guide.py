@@ -36,7 +36,7 @@ def make_model():
     x = keras.layers.GlobalAveragePooling2D()(x)
     outputs = keras.layers.Dense(10, name="dense", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(x)
     model = keras.Model(inputs, outputs)
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1),
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=0.01),  # Adam: its steps count (bias correction)
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     return model
 
@@ -65,6 +65,7 @@ def main(out_dir):
         "batch_sizes": sorted(set(batch_sizes_seen)),
         "steps": len(batch_sizes_seen),
         "loss": history.history["loss"],
+        "iterations": int(model.optimizer.iterations.numpy()),
         "weights": [w.tolist() for w in model.get_weights()],
     }
     if keras.backend.backend() == "tensorflow":

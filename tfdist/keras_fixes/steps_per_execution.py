@@ -79,11 +79,19 @@ def _steps_traced_inline(original, self, step_function):
 
 
 def _clocked(step_function):
-    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start)."""
+    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start), every op of
+    it after its batch.
+
+    The optimizer's step counter does not depend on the data: without the control dependency, TensorFlow runs
+    its increment in the call whose ``get_next`` finds the data's end (how Keras ends an epoch of unknown
+    length), and each such epoch counts a step it never trained.
+    """
     def step(data):
         step_clock.step_starts(data)
         try:
-            return step_function(data)
+            with tf.control_dependencies(
+                    [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]):
+                return step_function(data)
         finally:  # an evaluate or predict step all-reduces no gradients: its start must not reach the next step
             step_clock.step_ends()
 
