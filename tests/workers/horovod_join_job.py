@@ -55,9 +55,7 @@ def step(xb, yb):
 
 for i in range(LOOP_STEPS[r]):
     step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
-payload["loop_last"] = last = int(hvd.join().numpy())
-payload["loop_weights_at_join"] = [w.tolist() for w in model.get_weights()]
-hvd.broadcast_variables(model.variables, root_rank=last)  # Horovod's way: the last rank to join has every update
+payload["loop_last"] = int(hvd.join().numpy())  # no broadcast: join made the tape's variables equal
 payload["loop_weights"] = [w.tolist() for w in model.get_weights()]
 
 # 3. An eager DistributedGradientTape loop; rank 1 has more batches, rank 0 joins first.
@@ -70,8 +68,7 @@ for i in range((2, 4)[r]):
                                         - y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH]))
     tape = hvd.DistributedGradientTape(tape)
     optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-payload["eager_last"] = last = int(hvd.join().numpy())
-hvd.broadcast_variables(model.variables, root_rank=last)
+payload["eager_last"] = int(hvd.join().numpy())
 payload["eager_weights"] = [w.tolist() for w in model.get_weights()]
 
 # 4. SyncBatchNormalization: each rank half of every global batch.

@@ -99,6 +99,7 @@ class GradientReduction:
         self._stand_in = None
         self._flag, self._last_count = join_lib.ACTIVE, None
         self.optimizer = None  # the DistributedOptimizer it belongs to, if any (hvd.join applies its updates)
+        self.variables: list = []  # a tape's: the variables its gradients were of (hvd.join makes them equal)
 
     def reduce(self, gradients: list, loss_scale=None) -> list:
         """The gradients combined across the process set; None entries stay None.
@@ -187,7 +188,8 @@ class GradientReduction:
 
         With a DistributedOptimizer the step is its ``apply``: the joined rank applies the
         average the others computed, so every rank ends with the same weights and slots.
-        Otherwise (a DistributedGradientTape) it is the all-reduce alone.
+        Otherwise (a DistributedGradientTape) it is the all-reduce alone, and ``join`` then
+        broadcasts the tape's variables from the last rank to join.
         """
         if self._stand_in is None:
             step = self._apply_zeros if self._can_apply() else self._reduce_zeros
@@ -198,6 +200,10 @@ class GradientReduction:
             return self._stand_in()
         finally:
             self._flag = join_lib.ACTIVE
+
+    def stale_variables(self) -> list:
+        """The variables ``join`` must broadcast: a tape's (an optimizer's ``stand_in`` applied every update)."""
+        return [] if self._can_apply() else list(self.variables)
 
     def _can_apply(self) -> bool:
         optimizer = self.optimizer
@@ -334,6 +340,8 @@ class _AllReduceGradients:
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        # What hvd.join() makes equal on every rank (the last rank to join's values) after a tape loop.
+        self._tfdist_reduction.variables = [s for s in tf.nest.flatten(sources) if hasattr(s, "assign")]
         flat = tf.nest.flatten(grads, expand_composites=False)
         return tf.nest.pack_sequence_as(grads, self._tfdist_reduction.reduce(flat, scaled_loss.scale_of(target)))
 

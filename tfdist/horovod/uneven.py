@@ -7,8 +7,10 @@ in the gradients' own fused collective, so it costs no extra round trip. A rank 
 same collective keys), contributing zeros, until that float says every rank has joined.
 With a ``DistributedOptimizer`` the repeat is the optimizer's own ``apply`` of zero
 gradients, so the joined rank also applies the others' average and every rank ends with
-the same weights; after a ``DistributedGradientTape`` loop, broadcast from the rank
-``join`` returns (the last to join has every update), as Horovod users do.
+the same weights; after a ``DistributedGradientTape`` loop, ``join`` broadcasts the
+variables the tapes differentiated from the rank it returns (the last to join has every
+update): Horovod leaves them stale and its users broadcast by hand (PyTorch's ``Join``
+syncs the model). A plain optimizer's slots (Adam's moments) stay each rank's own.
 The average divides by ``size()``, joined ranks included, as Horovod does: Horovod's
 ``EnqueueTensorAllreduces`` turns Average into ``postscale_factor /= size`` (horovod/common/
 operations.cc) and its controller fills joined ranks' tensors with zeros.
@@ -20,6 +22,8 @@ at least one step itself (it learns the gradients' shapes there). Sparse gradien
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -74,7 +78,28 @@ def join(group) -> int:
                 break
     for counter in _steps.values():
         counter[1] = int(counter[0].numpy())
+    variables = _stale_variables(reductions)
+    signature = zlib.crc32(repr([(tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables]).encode())
+    everyone = group.allgather(tf.constant([rounds, len(variables), signature], tf.int64)).numpy().reshape(-1, 3)
+    if len({(n, s) for _, n, s in everyone}) > 1:
+        raise ValueError(
+            "hvd.join(): the ranks' DistributedGradientTape loops differentiated different variables "
+            f"({', '.join(f'rank {group.ranks[i]}: {n}' for i, (_, n, _) in enumerate(everyone))} variables), so "
+            "they cannot be made equal: give every rank at least one step of the same loop before join().")
     # The ranks that stood in for the fewest rounds joined last; among those, the highest (Horovod's order).
-    everyone = group.allgather(tf.constant([rounds], tf.int64)).numpy()
-    last = np.flatnonzero(everyone == everyone.min())
-    return int(group.ranks[int(last[-1])])
+    rounds_of = everyone[:, 0]
+    last = int(np.flatnonzero(rounds_of == rounds_of.min())[-1])
+    if variables and group.size > 1:  # the last rank to join applied every update: its values, everywhere
+        for variable, value in zip(variables, group.grouped_broadcast([tf.convert_to_tensor(v) for v in variables],
+                                                                      last)):
+            variable.assign(value)
+    return int(group.ranks[last])
+
+
+def _stale_variables(reductions: list) -> list:
+    """Every variable a tape loop updated that a joined rank's stand-ins did not, once each, in a fixed order."""
+    found = {}
+    for reduction in reductions:
+        for variable in reduction.stale_variables():
+            found.setdefault(id(variable), variable)
+    return list(found.values())
