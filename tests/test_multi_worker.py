@@ -4,9 +4,10 @@
 finishes too. How: the workers agree on the longest worker's step count (tfdist.keras_fixes.uneven; Keras
 took each worker's own, and the shorter one left its peers in a collective); TensorFlow's
 distributed iterator all-reduces "has data" every step and feeds a worker out of data empty
-batches, whose loss Keras reduces to 0 (divide_no_nan) and whose gradient is 0. Keras scales
-each replica's loss by 1/replicas, so the update is Horovod's join average (the denominator
-counts every worker).
+batches, whose loss Keras reduces to 0 (divide_no_nan) and whose gradient is 0. tfdist weighs
+each replica's loss by its share of the step's examples (tfdist.keras_fixes.batch_shares), so
+the update is one device's on the step's examples (Keras' 1/replicas gave Horovod's join average,
+whose denominator counts a worker with no data).
 """
 
 import numpy as np
@@ -83,14 +84,14 @@ def test_fit_on_numpy_arrays_matches_one_device_with_validation(job):
         assert got["val_loss_data"] == pytest.approx(reference["val_loss_data"], abs=1e-5)
 
 
-def test_fit_with_fewer_batches_on_one_worker_finishes_with_the_join_average(job):
+def test_fit_with_fewer_batches_on_one_worker_finishes_as_one_device_on_each_steps_examples(job):
     uneven = [job.results[rank]["uneven"] for rank in (0, 1)]
     first, second = uneven[0]["fit"], uneven[1]["fit"]
     assert first["steps"] == second["steps"] == 10  # the longer worker's batches
     assert uneven[0]["batches"] == uneven[1]["batches"] == [10, 10]  # with a batch callback too
     for a, b in zip(first["weights"], second["weights"]):
         np.testing.assert_array_equal(a, b)
-    want = common.join_by_hand([common.join_data(0, 10), common.join_data(1, 6)])
+    want = common.join_by_hand([common.join_data(0, 10), common.join_data(1, 6)], per_example=True)
     for got, expected in zip(first["weights"], want):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert np.isfinite(first["loss"]).all() and first["loss"] == second["loss"]

@@ -65,6 +65,7 @@ _EXPORTS = {
     "allgather": "tfdist.collectives",
     "broadcast": "tfdist.collectives",
     "DistributedOptimizer": "tfdist.optimizer",
+    "compute_average_loss": "tfdist.keras_fixes.batch_shares",
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",
     "set_autotune": "tfdist.autotune",

@@ -179,20 +179,27 @@ def join_data(seed: int, batches: int):
     return x, (x @ np.array([[1.0], [2.0], [-1.0]]) + 0.5).astype("float32")
 
 
-def join_by_hand(datasets, lr: float = JOIN_LR):
-    """SGD on a linear model, Horovod's mean of each rank's gradient; a rank out of batches adds zeros (join)."""
+def join_by_hand(datasets, lr: float = JOIN_LR, per_example: bool = False):
+    """SGD on a linear model, Horovod's mean of each rank's gradient; a rank out of batches adds zeros (join).
+
+    ``per_example``: one device's mean over every rank's rows of the step instead (tfdist's fit weighs each
+    replica by its share of the step's examples: a rank out of batches adds nothing).
+    """
     kernel, bias = (w.astype("float64") for w in join_start())
     for step in range(-(-max(len(x) for x, _ in datasets) // JOIN_BATCH)):
-        grads = []
+        grads, rows_seen = [], 0
         for x, y in datasets:
             rows = slice(step * JOIN_BATCH, (step + 1) * JOIN_BATCH)
             if rows.start >= len(x):
                 grads.append((np.zeros_like(kernel), np.zeros_like(bias)))
                 continue
             error = x[rows] @ kernel + bias - y[rows]  # a partial last batch: the mean over its own rows
-            grads.append((2 * x[rows].T @ error / len(error), 2 * error.mean(0)))
-        kernel = kernel - lr * sum(g[0] for g in grads) / len(datasets)
-        bias = bias - lr * sum(g[1] for g in grads) / len(datasets)
+            weight = 1 if per_example else len(error)
+            grads.append((2 * x[rows].T @ error / weight, 2 * error.sum(0) / weight))
+            rows_seen += len(error)
+        divisor = rows_seen if per_example else len(datasets)
+        kernel = kernel - lr * sum(g[0] for g in grads) / divisor
+        bias = bias - lr * sum(g[1] for g in grads) / divisor
     return [kernel, bias]
 
 
@@ -307,3 +314,65 @@ def tape_step(hvd, model, optimizer, x, y):
         return loss
 
     return step
+
+
+UNEVEN_EPOCHS = 3
+UNEVEN_CASES = ((49, 4, "sgd"), (5, 5, "adam"), (45, 6, "sgd"))  # examples, global batch, optimizer
+
+
+def uneven_data(examples: int):
+    """A linear regression of ``examples`` rows (the same on every worker)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(examples, 6)).astype("float32")
+    return x, (x @ rng.normal(size=(6, 1))).astype("float32")
+
+
+def uneven_model(optimizer: str):
+    """A seeded MLP with an L2 regularizer (regularization keeps its per-step weight), SGD or Adam."""
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2"),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.05), "mse",
+                  metrics=["mae"])
+    return model
+
+
+def uneven_run(model, examples: int, batch: int) -> dict:
+    """fit for UNEVEN_EPOCHS, evaluate and predict on global batches of ``batch``: what a user compares."""
+    import tensorflow as tf
+
+    x, y = uneven_data(examples)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    history = model.fit(dataset, epochs=UNEVEN_EPOCHS, verbose=0)
+    return {"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"],
+            "evaluate": model.evaluate(dataset, verbose=0), "predict": model.predict(dataset, verbose=0).tolist(),
+            "iterations": int(model.optimizer.iterations.numpy())}
+
+
+def assert_uneven_run_equal(got: dict, want: dict, examples: int, batch: int) -> None:
+    """``got`` (several replicas) is one device's ``want``: weights and predictions to 1e-6."""
+    assert got["iterations"] == want["iterations"] == UNEVEN_EPOCHS * -(-examples // batch)
+    for a, b in zip(got["weights"], want["weights"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["evaluate"], want["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(got["predict"], want["predict"], atol=1e-6)
+
+
+def uneven_loop_start() -> list:
+    """The custom loop's start: a Dense(6 -> 1), the same on every worker."""
+    rng = np.random.default_rng(3)
+    return [rng.normal(size=(6, 1)).astype("float32"), np.zeros(1, "float32")]
+
+
+def uneven_loop_by_hand(examples: int = 11, batch: int = 5, lr: float = 0.1) -> list:
+    """One device's SGD on the mean squared error of each batch (float64)."""
+    x, y = (a.astype("float64") for a in uneven_data(examples))
+    kernel, bias = (w.astype("float64") for w in uneven_loop_start())
+    for i in range(0, examples, batch):
+        error = x[i:i + batch] @ kernel + bias - y[i:i + batch]
+        kernel = kernel - lr * 2 * x[i:i + batch].T @ error / len(error)
+        bias = bias - lr * 2 * error.mean(0)
+    return [kernel, bias]

@@ -24,20 +24,31 @@ def _first_local_value(value):
     return value
 
 
+def _one_row_if_empty(value):
+    if isinstance(value, tf.Tensor) and value.shape.rank and value.shape[0] == 0:
+        return tf.zeros((1, *value.shape[1:]), value.dtype)
+    return value
+
+
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", ("self", "iterator", "data_batch"))
 def _symbolic_build_from_local_batch(original, self, iterator=None, data_batch=None):
-    """keras#20585: build from the first local replica's batch, not a cross-worker reduce.
+    """keras#20585: build from the first local replica's batch, not a cross-replica reduce.
 
     Keras reduces the first PerReplica batch with ``strategy.reduce(..., axis=None)``
     eagerly, which under MultiWorkerMirroredStrategy fails with "Attempt to convert a
-    value (PerReplica...) to a Tensor". Only shapes and dtypes matter to the build.
+    value (PerReplica...) to a Tensor", and under any strategy fails when the replicas'
+    shares differ (a global batch of 5 on 2 replicas: "Inputs to operation AddN ... must
+    have the same size and shape"). Only shapes and dtypes matter to the build.
     """
-    if not process_group.is_multi_worker(self._distribute_strategy):
+    if self._distribute_strategy is None or self._distribute_strategy.num_replicas_in_sync <= 1:
         return original(self, iterator=iterator, data_batch=data_batch)
     if iterator is not None:
         for *_, batches in iterator:  # (step, batches) before Keras 3.11, (begin, end, batches) since
             data_batch = tree.map_structure(_first_local_value, next(batches))
             break
+    # A replica's share can be empty (a global batch of 4 over 3 workers splits 2/2/0); Keras' build computes
+    # the loss and an empty one has another rank ("Shapes must be equal rank, but are 1 and 0").
+    data_batch = tree.map_structure(_one_row_if_empty, data_batch)
     with self.distribute_strategy.scope():
         self._symbolic_build(data_batch=data_batch)
 

@@ -1,0 +1,94 @@
+"""A global batch that does not split evenly over 2 logical CPUs trains, evaluates and predicts as on one device
+(issue 43): each replica's loss weighs by its share of the batch (tfdist.keras_fixes.batch_shares), and a batch
+that does not divide by the replicas no longer fails Keras' build. The 2- and 3-worker cases run in
+tests/test_multi_worker.py."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.jobs import run_job
+from tests.workers import common
+from tfdist.keras_fixes import batch_shares
+
+pytestmark = pytest.mark.usefixtures("fresh_tfdist_strategy")
+
+
+def one_and_two(examples, batch, optimizer):
+    one = common.uneven_run(common.uneven_model(optimizer), examples, batch)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]"):
+        model = common.uneven_model(optimizer)
+    return one, common.uneven_run(model, examples, batch)
+
+
+# (49, 4): the last batch (1 example) splits 1/0; (5, 5): every batch splits 3/2 (Keras' build failed: "Inputs to
+# operation AddN ... must have the same size and shape"); (45, 6): the last batch (3) splits 2/1.
+@pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES)
+def test_uneven_splits_train_evaluate_and_predict_as_one_device(examples, batch, optimizer):
+    one, two = one_and_two(examples, batch, optimizer)
+    common.assert_uneven_run_equal(two, one, examples, batch)
+
+
+def test_keras_weighting_comes_back_on_request(monkeypatch):
+    """TFDIST_BATCH_WEIGHTING=keras: each replica's mean loss by 1/replicas, as Keras and plain MirroredStrategy."""
+    monkeypatch.setenv(batch_shares.ENV, "keras")
+    one, two = one_and_two(45, 6, "sgd")
+    assert np.abs(np.subtract(two["weights"][0], one["weights"][0])).max() > 1e-3  # the 2/1 split's examples weigh 1/4 and 1/2
+
+
+def test_a_bad_weighting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(batch_shares.ENV, "horovod")
+    with pytest.raises(ValueError, match=r"TFDIST_BATCH_WEIGHTING='horovod': use 'exact' \(each replica's loss "
+                                         r"weighs by its share of the global batch, as one device\) or 'keras'"):
+        batch_shares.weighting()
+
+
+def test_compute_average_loss_in_a_custom_loop_needs_no_global_batch_size():
+    """strategy.run over batches of 5 (3/2) and a last one of 1 (1/0): the weights of one device's mean loss."""
+    x, y = common.uneven_data(11)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]") as strategy:
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        model.set_weights(common.uneven_loop_start())
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xr, yr):
+            with tf.GradientTape() as tape:
+                loss = tfdist.compute_average_loss(tf.square(model(xr) - yr)[:, 0])
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica, args=(xb, yb))
+
+    for xb, yb in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5)):
+        step(xb, yb)
+    for got, want in zip(model.get_weights(), common.uneven_loop_by_hand()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-workers", "3-workers"])
+def job(request, tmp_path_factory):
+    return run_job("uneven_split_job.py", tmp_path_factory.mktemp("uneven"), num_workers=request.param,
+                   timeout=300).check()
+
+
+@pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES)
+def test_workers_train_evaluate_and_predict_uneven_splits_as_one_device(job, examples, batch, optimizer):
+    want = common.uneven_run(common.uneven_model(optimizer), examples, batch)
+    runs = [result[f"{examples}/{batch}"] for result in job.results.values()]
+    for got in runs:
+        common.assert_uneven_run_equal(got, want, examples, batch)
+        assert got["weights"] == runs[0]["weights"]  # every worker the same bits
+
+
+def test_workers_custom_loop_with_compute_average_loss_equals_one_device(job):
+    for result in job.results.values():
+        for got, want in zip(result["loop"], common.uneven_loop_by_hand()):
+            np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_compute_average_loss_refuses_a_scalar():
+    with pytest.raises(ValueError, match=r"compute_average_loss takes one loss per example .* reduction='none'"):
+        tfdist.compute_average_loss(tf.constant(1.0))
