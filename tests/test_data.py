@@ -323,14 +323,14 @@ def test_a_rerun_without_overwrite_returns_the_complete_set_or_refuses_other_exa
 def worker_1_after_the_chief(monkeypatch):
     """A store shared in this process (tfdist.kvstore over a dict); calling the fixture's value turns this process
     into worker 1 of 2 making its first write_tfrecords call, after the chief's calls made here."""
-    from tfdist.data import writer
+    from tfdist.data import agreement, writer
 
     values = {}
     monkeypatch.setattr(writer, "kvstore", types.SimpleNamespace(
         available=lambda: True, get=lambda key, timeout_ms=500: values.get(key), put=values.__setitem__))
 
     def become_worker_1():
-        monkeypatch.setattr(writer, "_calls", collections.Counter())
+        monkeypatch.setattr(agreement, "_calls", collections.Counter())
         monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
                                                     "task": {"type": "worker", "index": 1}}))
     return become_worker_1

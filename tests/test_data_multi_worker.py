@@ -2,11 +2,13 @@
 
 It also runs issue 29's scripts for real: a global seed per worker, one cache path for every worker, and
 write_tfrecords(overwrite=True) on every worker then reading (3 rounds, the chief's moves slowed down). A second
-job (issue 40) reruns one write_tfrecords call on every worker and writes an unseeded shuffle.
+job (issue 40) reruns one write_tfrecords call on every worker and writes an unseeded shuffle. A third (issue 43)
+reads from a directory per worker where one worker sees a shard fewer, as a lagging shared filesystem shows it.
 """
 
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -122,3 +124,45 @@ def test_an_unseeded_shuffle_stops_the_job_naming_the_order_instead_of_waiting(w
     assert "worker 1 wrote the shuffled examples" not in writer_job.output
     seconds = float(re.search(r"2 worker\(s\), exit codes \[.*\], ([\d.]+)s", writer_job.output).group(1))
     assert seconds < 60, writer_job.output[-3000:]  # the job's timeout is 90 s: a worker that waited would reach it
+
+
+@pytest.fixture(scope="module")
+def reader_job(tmp_path_factory):
+    """Fails by design: worker 1 does not see one of the training shards (tests/workers/reader_job.py)."""
+    work = tmp_path_factory.mktemp("reader_work")
+    shards = data.write_tfrecords({"label": np.arange(32)}, str(work / "0" / "shards"), num_shards=4)
+    (work / "1" / "shards").mkdir(parents=True)
+    for path in shards.paths[:3]:
+        shutil.copy(path, work / "1" / "shards")
+    return run_job("reader_job.py", tmp_path_factory.mktemp("reader_job"), str(work), timeout=90)
+
+
+def test_workers_that_list_other_files_all_stop_before_the_first_step_naming_the_worker_and_the_file(reader_job):
+    codes = re.search(r"2 worker\(s\), exit codes \[(\w+), (\w+)\]", reader_job.output).groups()
+    assert "0" not in codes, reader_job.output[-3000:]  # the first to exit fails the job, which stops the other
+    message = ("tfrecord_dataset(file_pattern='shards/data-*.tfrecord') lists other files on some workers, so the "
+               "workers would not read every record once: worker 1 lists 3 files (24 records), worker 0 lists 4 (32 "
+               "records): worker 1 does not see 'data-00003-of-00004.tfrecord' (8 records). A shared filesystem that "
+               "lags (NFS attribute caching, an object store's listing) or files listed before their writer finished "
+               "show workers different files: build the dataset once the writer has finished (write_tfrecords, called "
+               "on every worker, returns only then), on a filesystem that shows every worker the same files.")
+    for rank in (0, 1):
+        assert f"[{rank}] tfdist.errors.DataError: {message}" in reader_job.output, reader_job.output[-3000:]
+    assert "began its first step" not in reader_job.output
+    seconds = [float(s) for s in re.findall(r"built or failed in ([\d.]+) s", reader_job.output)]
+    assert len(seconds) == 2 and max(seconds) < 20, reader_job.output[-3000:]
+
+
+def test_datasets_that_every_worker_lists_alike_are_checked_apart_and_read_as_before(reader_job):
+    """Two builds of one pattern (a second fit) and an overlapping pattern: each its own exchange, digests only."""
+    first, second = reader_job.results[0], reader_job.results[1]
+    three_shards = [i for i in range(32) if i % 4 != 3]
+    for read in ("first", "again"):
+        assert sorted(first[read] + second[read]) == three_shards
+    assert sorted(first["overlapping"] + second["overlapping"]) == [i for i in range(32) if i % 4 < 2]
+    keys = {rank: reader_job.results[rank]["keys"] for rank in (0, 1)}
+    pattern = r"tfdist/data/tfrecord_dataset/([0-9a-f]{16})/(\d+)/digest/%d"
+    found = [[re.fullmatch(pattern % rank, key).groups() for key in keys[rank]] for rank in (0, 1)]
+    assert found[0] == found[1]
+    (a, one), (a_again, two), (b, b_one) = found[0]
+    assert a == a_again != b and (one, two, b_one) == ("1", "2", "1")

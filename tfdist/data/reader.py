@@ -17,6 +17,12 @@ Sharding is file-level when there are at least as many files as input pipelines
 every file and keeps every n-th record of each, with a warning). Either way every
 record is read exactly once per epoch across all pipelines.
 
+Sharded over several workers, the dataset is built only once every worker lists the same
+files with the same record counts (``agreement.check_same_files``: a digest each through
+the job's key-value store, the lists only when digests differ): a shared filesystem that
+lags, or a glob taken before a writer finished, would otherwise break "exactly once"
+silently.
+
 A ``cache=`` path gets a name of its own per input pipeline, keyed by the pipeline's
 index and count and a hash of the files (names, sizes, modification times) and the
 file order's settings: workers never share a cache, and a cache left by a run with
@@ -35,7 +41,8 @@ from typing import Callable, Mapping, Sequence, Union
 
 import tensorflow as tf
 
-from tfdist.data import records
+from tfdist import cluster as cluster_lib
+from tfdist.data import agreement, records
 from tfdist.data.records import DataError
 from tfdist.errors import ShardingWarning
 
@@ -67,7 +74,10 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             the same parallel map; returns what the model takes, e.g.
             ``lambda b: (tf.cast(b["image"], "float32") / 255, b["label"])``.
         input_context: the ``tf.distribute.InputContext`` that ``distribute`` (or
-            ``strategy.distribute_datasets_from_function``) passes; shards the files.
+            ``strategy.distribute_datasets_from_function``) passes; shards the files. With
+            more than one input pipeline in a multi-worker job, the workers first check,
+            through the job's key-value store, that they all list the same files with the
+            same record counts (``tfdist.data.agreement``).
         shuffle: shuffle the file order (the same on every worker; a new order each epoch
             of ``repeat``, while without ``repeat``, or with a cache, every pass reads the
             first epoch's files) and the records within each worker's share (through
@@ -101,12 +111,14 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     Raises:
         FileNotFoundError: ``file_pattern`` matches no file.
         DataError: a damaged or non-TFRecord file (unless ``skip_corrupt``), a feature
-            missing from the records, or a bad batch size or argument.
+            missing from the records, or a bad batch size or argument; on every worker,
+            workers that list other files (naming them), or a peer that did not list its
+            files within the hang timeout.
     """
     batch = per_pipeline_batch_size(batch_size, input_context)
     _check_arguments(shuffle_buffer, image_size, repeat, seed, cache)
-    paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
     pipelines = input_context.num_input_pipelines if input_context else 1
+    paths, counts = _listed_alike_on_every_worker(file_pattern, skip_corrupt, pipelines)
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     record_level = _record_level_sharding(len(paths), pipelines)
     ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
@@ -278,6 +290,24 @@ def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], li
     if not counts:
         raise DataError(f"No file of {paths} holds a readable record.")
     return list(counts), list(counts.values())
+
+
+def _listed_alike_on_every_worker(file_pattern: FilePattern, skip_corrupt: bool,
+                                  pipelines: int) -> tuple[list[str], list[int]]:
+    """``_readable_files`` of the pattern; sharded over the workers of a multi-worker job, once every worker
+    listed the same files with the same record counts (issue 43: ``agreement.check_same_files``)."""
+    job = cluster_lib.cluster_from_env() if pipelines > 1 else None
+    if job is None or not job.is_multi_worker:
+        return _readable_files(_list_files(file_pattern), skip_corrupt)
+    try:
+        paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
+    except (FileNotFoundError, DataError) as error:
+        agreement.check_same_files(file_pattern, error, job.worker_index, job.num_workers)
+        raise
+    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
+    names = agreement.relative_names(patterns, paths)
+    agreement.check_same_files(file_pattern, sorted(zip(names, counts)), job.worker_index, job.num_workers)
+    return paths, counts
 
 
 def _record_level_sharding(num_files: int, pipelines: int) -> bool:

@@ -19,7 +19,7 @@ In a multi-worker job the script runs on every worker, so every worker may call
 follow it. The chief publishes, in the coordination service's key-value store
 (``tfdist.kvstore``), the hash of its examples (in order, and in any order), then its
 outcome: the record count, or its error. The key holds the call's arguments and how many
-calls with the same ones this process made before, so no other call reads it. A worker
+calls with the same ones this process made before (``agreement.call_key``), so no other call reads it. A worker
 whose hash differs raises at once, saying whether its examples or only their order differ
 (an unseeded shuffle); one whose chief raised (FileExistsError) raises the same; the
 others wait until they see the chief's shards, then return the same result. A process
@@ -30,7 +30,6 @@ only works as well.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import json
@@ -45,15 +44,13 @@ import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
 from tfdist import kvstore
+from tfdist.data import agreement
 from tfdist.data.records import (IMAGE_FORMATS, INDEX_KEY, MAX_SHARDS, DataError, shard_glob, shard_name,
                                  shown_shard_names)
 
 _POLL_S = 0.2  # how often a worker waiting for the chief looks again
 _NOTE_EVERY_S = 60.0  # how often it says that it is still waiting
 _STORE_WAIT_MS = 1000  # how long one look waits for the chief's key to appear
-# This process's write_tfrecords calls so far, per store key of their arguments: the n-th call with the same
-# arguments is one call on every worker.
-_calls: collections.Counter = collections.Counter()
 _T = TypeVar("_T")
 
 
@@ -128,7 +125,7 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
     paths = tuple(os.path.join(out_dir, name) for name in names)
     settings = [names, image_format, jpeg_quality]
-    key = _store_key([out_dir, prefix, num_shards, image_format, jpeg_quality, overwrite])
+    key = agreement.call_key("write_tfrecords", [out_dir, prefix, num_shards, image_format, jpeg_quality, overwrite])
     job = cluster_lib.cluster_from_env()
     if job.is_chief:
         def write(examples: _Examples) -> WriteResult:
@@ -148,13 +145,6 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     _wait(rank, f"to see worker 0's shards in {out_dir}: every worker must see that directory (a shared filesystem)",
           lambda: all(tf.io.gfile.exists(path) for path in paths) or None)
     return WriteResult(paths, count)
-
-
-def _store_key(arguments: list) -> str:
-    """The store key of this call: its arguments, and how many calls with the same ones this process made before."""
-    digest = hashlib.sha256(json.dumps(arguments).encode()).hexdigest()[:16]
-    _calls[digest] += 1
-    return f"tfdist/data/write_tfrecords/{digest}/{_calls[digest]}"
 
 
 def _publishing(key: str, hash_examples: Callable[[], _Examples],

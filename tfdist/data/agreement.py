@@ -1,0 +1,186 @@
+"""What the workers of a job agree on about their data: store keys per call, and the files they list.
+
+``write_tfrecords`` and ``tfrecord_dataset`` run on every worker, and their workers talk through the job's
+key-value store (``tfdist.kvstore``). ``call_key`` names one call's entries: the kind of call, a hash of the
+arguments that every worker passes alike, the job's attempt (``TFDIST_RESTART``), and how many calls with the
+same ones this process made before. So the n-th call with some arguments is one call on every worker: a second
+``fit`` that rebuilds its dataset, or a dataset with an overlapping pattern, never reads another's entries.
+
+``check_same_files`` (issue 43): before a dataset sharded over the workers reads anything, every worker
+publishes a digest of the files it lists (names relative to the pattern's directory, and record counts) and
+reads its peers'. Equal digests end it: one small entry per worker. When they differ, every worker publishes
+its whole list, and every worker raises the same DataError, naming the workers and the files that differ. A
+worker that could not list its files (none match, a damaged file) publishes that instead, and its peers stop
+at once too. A peer that does not publish within the hang timeout (``TFDIST_HANG_TIMEOUT``, 600 s by default) is an error too.
+The store is out of band: no collective runs while the job's strategy may run its own, and a wait has a
+deadline. Worker 0 holds the store, so it raises last, once its peers have read its list (or a few seconds).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import os
+import time
+import zlib
+from typing import Mapping, Sequence
+
+from tfdist import kvstore, watchdog
+from tfdist.data.records import DataError
+
+ENV_ATTEMPT = "TFDIST_RESTART"  # the job's attempt: tfdist run sets it (tfdist.launch.local.ENV_RESTART)
+_LEAVE_LAST_S = 10.0  # how long worker 0 waits for its peers to have read its list before it raises
+_FAILED = "failed: "  # a digest entry saying that this worker could not list its files, and why
+_SHOWN = 3  # files named per difference, and workers described, before "and N more"
+# This process's calls so far, per store key of their arguments: the n-th call with the same arguments is one call
+# on every worker.
+_calls: collections.Counter = collections.Counter()
+
+FileList = Sequence[Sequence]  # [(name, records), ...] sorted by name
+
+
+def call_key(kind: str, arguments: list, env: Mapping[str, str] | None = None) -> str:
+    """The store key of this call: ``tfdist/data/KIND/<hash of arguments and attempt>/<n>``, n counting this
+    process's calls with the same ones (1 for the first)."""
+    attempt = (os.environ if env is None else env).get(ENV_ATTEMPT, "0")
+    digest = hashlib.sha256(json.dumps([kind, attempt, arguments], default=str).encode()).hexdigest()[:16]
+    _calls[kind, digest] += 1
+    return f"tfdist/data/{kind}/{digest}/{_calls[kind, digest]}"
+
+
+def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
+    """``paths`` relative to the directory the ``patterns`` share before their first glob character, so that
+    workers that mount the files at other places, or list them from another working directory, compare alike."""
+    dirs = [pattern[:min([pattern.find(c) for c in "*?[" if c in pattern] or [len(pattern)])].rsplit("/", 1)[0]
+            if "/" in pattern else "" for pattern in patterns]
+    parts = [d.split("/") for d in dirs]
+    common = []
+    for column in zip(*parts):
+        if len(set(column)) > 1:
+            break
+        common.append(column[0])
+    base = "/".join(common)
+    return [path[len(base) + 1:] if base and path.startswith(base + "/") else path for path in paths]
+
+
+def check_same_files(file_pattern, files: FileList | Exception, rank: int, size: int,
+                     timeout_s: float | None = None) -> None:
+    """Raises on every worker unless every worker of the job lists the same ``files`` for this dataset.
+
+    Args:
+        file_pattern: the dataset's ``file_pattern`` as the caller gave it (it keys the exchange, and is shown).
+        files: this worker's ``(name, records)`` pairs, names relative to the pattern's directory, sorted; or the
+            error that listing them raised here (published so that the peers stop at once; the caller re-raises).
+        rank: this worker's rank; size: the job's worker count.
+        timeout_s: how long to wait for the peers; None: the hang timeout (its default when turned off).
+
+    Raises:
+        DataError: the workers' lists differ (naming the workers and files), a peer could not list its files, or
+            a peer did not publish its list in time.
+    """
+    if size < 2 or not kvstore.available():
+        return
+    timeout_s = timeout_s if timeout_s is not None else (watchdog.timeout_from_env() or watchdog.DEFAULT_HANG_TIMEOUT)
+    base = call_key("tfrecord_dataset", [file_pattern])
+    if isinstance(files, Exception):
+        kvstore.put(f"{base}/digest/{rank}", f"{_FAILED}{type(files).__name__}: {files}")
+        if rank == 0:  # it holds the store: its peers read the failure first (or a few seconds pass)
+            deadline = time.monotonic() + min(timeout_s, _LEAVE_LAST_S)
+            for peer in range(1, size):
+                kvstore.wait_for(f"{base}/digest/{peer}", deadline)
+        return
+    files = [[name, int(count)] for name, count in files]
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+    kvstore.put(f"{base}/digest/{rank}", digest)
+    digests = _gather(base, "digest", rank, size, digest, timeout_s, file_pattern)
+    for peer, value in sorted(digests.items()):
+        if value.startswith(_FAILED):
+            raise DataError(f"tfrecord_dataset(file_pattern={file_pattern!r}): worker {peer} could not list its "
+                            f"files ({value[len(_FAILED):]}), so worker {rank} stops too; worker {peer}'s output "
+                            "says more.")
+    if len(set(digests.values())) == 1:
+        return
+    kvstore.put(f"{base}/files/{rank}", _pack(files))
+    lists = {peer: _unpack(value) for peer, value in
+             _gather(base, "files", rank, size, _pack(files), timeout_s, file_pattern).items()}
+    kvstore.put(f"{base}/read/{rank}", "1")
+    if rank == 0:  # it holds the store: once it exits, a peer still reading would find nothing
+        deadline = time.monotonic() + min(timeout_s, _LEAVE_LAST_S)
+        for peer in range(1, size):
+            kvstore.wait_for(f"{base}/read/{peer}", deadline)
+    raise DataError(differences(file_pattern, lists) or (
+        f"tfrecord_dataset(file_pattern={file_pattern!r}): the workers' file lists hash differently but read the "
+        "same; report this to tfdist."))
+
+
+def _gather(base: str, what: str, rank: int, size: int, mine: str, timeout_s: float, file_pattern) -> dict[int, str]:
+    """Every worker's ``base/what/<rank>``, this worker's being ``mine``.
+
+    Raises:
+        DataError: a peer's did not appear within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    found = {rank: mine}
+    for peer in range(size):
+        if peer != rank:
+            value = kvstore.wait_for(f"{base}/{what}/{peer}", deadline)
+            if value is not None:
+                found[peer] = value
+    missing = [peer for peer in range(size) if peer not in found]
+    if missing:
+        build = base.rsplit("/", 1)[1]
+        raise DataError(
+            f"tfrecord_dataset(file_pattern={file_pattern!r}): worker {rank} waited {timeout_s:g} s for worker(s) "
+            f"{missing} to list their files for this dataset (build {build} of it in this process), to check that "
+            "every worker reads the same files. Every worker must build the same datasets with the same file_pattern "
+            "in the same order (a dataset built on some workers only, or more often on some, never meets its "
+            f"peers); a worker busy elsewhere for that long looks the same (TFDIST_HANG_TIMEOUT sets the wait).")
+    return found
+
+
+def differences(file_pattern, lists: Mapping[int, FileList]) -> str | None:
+    """The error message for workers whose file lists differ from worker 0's (None when none does).
+
+    Args:
+        file_pattern: the dataset's pattern, as shown.
+        lists: each worker's ``(name, records)`` pairs.
+    """
+    reference = {name: count for name, count in lists[0]}
+    told = []
+    for rank in sorted(lists):
+        theirs = {name: count for name, count in lists[rank]}
+        if rank == 0 or theirs == reference:
+            continue
+        missing = [f"{name!r} ({reference[name]} records)" for name in sorted(reference) if name not in theirs]
+        extra = [f"{name!r} ({theirs[name]} records)" for name in sorted(theirs) if name not in reference]
+        recount = [f"{theirs[name]} records in {name!r}, worker 0 {reference[name]}" for name in sorted(theirs)
+                   if name in reference and theirs[name] != reference[name]]
+        parts = ([f"worker {rank} does not see {_some(missing)}"] if missing else []) + (
+            [f"worker {rank} sees {_some(extra)}, which worker 0 does not"] if extra else []) + (
+            [f"worker {rank} counts {_some(recount)}"] if recount else [])
+        told.append(f"worker {rank} lists {len(theirs)} files ({sum(theirs.values())} records), worker 0 lists "
+                    f"{len(reference)} ({sum(reference.values())} records): " + "; ".join(parts))
+    if not told:
+        return None
+    more = f"; and {len(told) - _SHOWN} more worker(s) differ from worker 0" if len(told) > _SHOWN else ""
+    return (f"tfrecord_dataset(file_pattern={file_pattern!r}) lists other files on some workers, so the workers "
+            f"would not read every record once: {'; '.join(told[:_SHOWN])}{more}. A shared filesystem that lags (NFS "
+            "attribute caching, an object store's listing) or files listed before their writer finished show workers "
+            "different files: build the dataset once the writer has finished (write_tfrecords, called on every "
+            "worker, returns only then), on a filesystem that shows every worker the same files.")
+
+
+def _some(items: list[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
+
+
+def _pack(files: FileList) -> str:
+    """A file list as a store value: names repeat their prefix, so they compress well."""
+    return base64.b64encode(zlib.compress(json.dumps(files).encode())).decode()
+
+
+def _unpack(value: str) -> FileList:
+    return json.loads(zlib.decompress(base64.b64decode(value)))
