@@ -4,12 +4,20 @@ Keras 3 (as tf.keras 2, plain MirroredStrategy and Horovod) divides each replica
 by the number of replicas (``losses.loss.scale_loss_for_distribution``), so when a global
 batch does not split evenly (the last batch of 49 examples in batches of 4 on 2 replicas is
 split 1/0; a batch of 5 is split 3/2) the examples of the smaller share weigh more than on
-one device. Here, in ``fit``'s train step under several replicas, each replica all-reduces
-its example count (one scalar, issued before the forward pass, which it overlaps) and its
-mean losses are multiplied by count / global count instead of 1 / replicas. The losses'
-display (Keras' trackers divide the same factor out again and weigh by the batch size) and
-regularization losses (identical on every replica: their shares add up to 1) keep their
-one-device values; with an even split the factor is exactly Keras'.
+one device. Here, in ``fit``'s train step under several replicas, each replica's mean
+losses weigh count / global count instead of 1 / replicas, where count is its examples:
+
+* by default the loss is multiplied by the count, and the count rides in the first float32
+  gradient bucket's all-reduce (``gradient_buckets``), whose sums are then divided by the
+  global count: one float more in a collective sent anyway;
+* where a loss multiplied by the count could overflow (float16 compute or a loss scale, the
+  float16 wire) or gradients are all-reduced once for several steps (gradient accumulation),
+  the replicas all-reduce their counts first (one scalar collective a step, issued before the
+  forward pass) and the loss is multiplied by count / global count.
+
+The losses' display (Keras' trackers divide the same factor out again and weigh by the batch
+size) and regularization losses (identical on every replica: their shares add up to 1) keep
+their one-device values; with an even split the weights are Keras'.
 
 The count is the batch size of the first input, what Keras' loss tracker weighs by; a mean
 over several elements per example (a sequence loss) is exact when every example has as
@@ -30,12 +38,14 @@ import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as loss_module
+from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
+from tfdist.compression import Compression
 from tfdist.patching import Patch
 
 ENV = "TFDIST_BATCH_WEIGHTING"
 _CHOICES = ("exact", "keras")
-_share = threading.local()  # .value: this replica's count / the global count, while its train step is traced
+_share = threading.local()  # .value: a _Share, while a train step is traced in this replica's thread
 
 patch = Patch(
     "batch_shares", "Keras (as tf.distribute and Horovod) weighs each replica's mean loss by 1 / replicas",
@@ -62,18 +72,60 @@ def global_count(local_count) -> tf.Tensor:
     return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(local_count, tf.float32))
 
 
+class _Share:
+    """One replica's weighing in a traced train step: ``factor`` multiplies Keras' per-replica loss scale away
+    (count, or count / global count); ``count`` is set while the gradient all-reduce still has to divide the sums
+    by the global count."""
+
+    def __init__(self, factor: tf.Tensor, count: tf.Tensor | None):
+        self.factor, self.count, self.reduced = factor, count, False
+
+
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "train_step", ("self", "data"))
 def _train_step_weighed_by_shares(original, self, data):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync <= 1 or weighting() != "exact":
         return original(self, data)
-    count = tf.shape(next(t for t in tree.flatten(data[0] if isinstance(data, tuple) else data)
-                          if t is not None))[0]
-    _share.value = tf.cast(count, tf.float32) / global_count(count)
+    count = tf.cast(tf.shape(next(t for t in tree.flatten(data[0] if isinstance(data, tuple) else data)
+                                  if t is not None))[0], tf.float32)
+    if _count_rides_in_a_bucket(self):
+        share = _Share(count, count)
+    else:
+        share = _Share(count / global_count(count), None)
+    _share.value = share
     try:
-        return original(self, data)
+        outputs = original(self, data)
     finally:
         _share.value = None
+    if share.count is not None and self.trainable_weights and not share.reduced:
+        raise RuntimeError(
+            f"tfdist weighs each replica's loss by its examples and divides the all-reduced gradients by the global "
+            f"count, but no gradient of this train step was all-reduced through Keras' optimizer "
+            f"({type(self.optimizer).__name__}): its gradients would be as many times too large. Set "
+            f"{ENV}=keras for Keras' weighting, and report this to tfdist.")
+    return outputs
+
+
+def _count_rides_in_a_bucket(model) -> bool:
+    """Whether the loss may be multiplied by the count and the gradient sums divided after: not under float16
+    compute or a loss scale (scaled further, float16 gradients overflow where one device's would not), nor with
+    the float16 wire or accumulation (the sums of several steps are all-reduced at once)."""
+    optimizer = model.optimizer
+    if optimizer is None or isinstance(optimizer, LossScaleOptimizer) or \
+            getattr(model.dtype_policy, "compute_dtype", "float32") == "float16":
+        return False
+    applying = [optimizer, *getattr(optimizer, "optimizers", [])]
+    return not any(o.gradient_accumulation_steps or getattr(o, "compression", Compression.none) is not Compression.none
+                   for o in applying)
+
+
+def count_to_reduce() -> tf.Tensor | None:
+    """The count to all-reduce with the gradients (then divide their sums by the global count), or None."""
+    share = getattr(_share, "value", None)
+    if share is None or share.count is None:
+        return None
+    share.reduced = True
+    return share.count
 
 
 @patch.replaces(loss_module, "scale_loss_for_distribution", ("value",))
@@ -81,7 +133,7 @@ def _scale_by_share(original, value):
     share = getattr(_share, "value", None)
     if share is None:
         return original(value)
-    return value * tf.cast(share, value.dtype)
+    return value * tf.cast(share.factor, value.dtype)
 
 
 @patch.replaces(loss_module, "unscale_loss_for_distribution", ("value",))
@@ -89,7 +141,7 @@ def _unscale_by_share(original, value):
     share = getattr(_share, "value", None)
     if share is None:
         return original(value)
-    return tf.math.divide_no_nan(value, tf.cast(share, value.dtype))
+    return tf.math.divide_no_nan(value, tf.cast(share.factor, value.dtype))
 
 
 def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:

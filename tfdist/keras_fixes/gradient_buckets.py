@@ -31,6 +31,7 @@ from keras.src.optimizers.multi_optimizer import MultiOptimizer
 
 from tfdist import buckets, patching, process_group, step_clock
 from tfdist import compression as compression_lib
+from tfdist.keras_fixes import batch_shares
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -53,18 +54,32 @@ def _all_reduce_in_buckets(original, self, grads_and_vars):
         buckets.check_agreement(process_group.for_strategy(strategy))
     gradients = [_dense(grads_and_vars[i][0]) for i in present]
     result = list(grads_and_vars)
+    plan = buckets.plan_tensors(gradients)
+    count = batch_shares.count_to_reduce()  # this replica's examples, when the sums weigh by them (batch_shares)
+    carrier = next((b for b, bucket in enumerate(plan) if gradients[bucket[0]].dtype in (tf.float32, tf.float64)),
+                   None) if count is not None else None
+    total = []
 
     def reduce_buckets(on_ready, on_reduced):
         summed = []
-        for b, bucket in enumerate(buckets.plan_tensors(gradients)):
+        for b, bucket in enumerate(plan):
             tensors = on_ready(b, [gradients[i] for i in bucket], sum(buckets.nbytes(gradients[i]) for i in bucket))
-            reduced = on_reduced(b, context.all_reduce(tf.distribute.ReduceOp.SUM, tensors))
+            extra = [tf.cast(count, tensors[0].dtype)] if b == carrier else []  # one float more, no collective more
+            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, tensors + extra)
+            total.extend(reduced[len(tensors):])
+            reduced = on_reduced(b, reduced[:len(tensors)])
             for i, gradient in zip(bucket, reduced):
                 result[present[i]] = (gradient, grads_and_vars[present[i]][1])
             summed += reduced
         return summed
 
     step_clock.buckets_timed(gradients, reduce_buckets)  # the step's times (tfdist.step_clock)
+    if count is not None:
+        if not total:  # no float32 or float64 bucket to ride in
+            total.append(context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(count, tf.float32)))
+        for i in present:
+            gradient, variable = result[i]
+            result[i] = (tf.math.divide_no_nan(gradient, tf.cast(total[0], gradient.dtype)), variable)
     return result
 
 
