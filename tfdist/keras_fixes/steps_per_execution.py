@@ -44,7 +44,7 @@ patch = Patch(
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "_make_function", ("self", "step_function"))
 def _steps_traced_inline(original, self, step_function):
-    step_function = _clocked(step_function)
+    step_function = _clocked(step_function, after_batch=not self.jit_compile)
     keras_function = original(self, step_function)
     steps = self.steps_per_execution
     if steps == 1 or self.run_eagerly or self.jit_compile:
@@ -78,19 +78,20 @@ def _steps_traced_inline(original, self, step_function):
     return function
 
 
-def _clocked(step_function):
-    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start), every op of
-    it after its batch.
+def _clocked(step_function, after_batch: bool = True):
+    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start), and with
+    ``after_batch`` every op of it after its batch.
 
     The optimizer's step counter does not depend on the data: without the control dependency, TensorFlow runs
     its increment in the call whose ``get_next`` finds the data's end (how Keras ends an epoch of unknown
-    length), and each such epoch counts a step it never trained.
+    length), and each such epoch counts a step it never trained. Not under XLA (``jit_compile``): variables
+    that the first step creates (a LossScaleOptimizer's) could not be lifted out of the compiled function.
     """
     def step(data):
         step_clock.step_starts(data)
+        batch = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
         try:
-            with tf.control_dependencies(
-                    [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]):
+            with tf.control_dependencies(batch if after_batch else []):
                 return step_function(data)
         finally:  # an evaluate or predict step all-reduces no gradients: its start must not reach the next step
             step_clock.step_ends()
