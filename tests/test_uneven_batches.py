@@ -92,3 +92,35 @@ def test_workers_custom_loop_with_compute_average_loss_equals_one_device(job):
 def test_compute_average_loss_refuses_a_scalar():
     with pytest.raises(ValueError, match=r"compute_average_loss takes one loss per example .* reduction='none'"):
         tfdist.compute_average_loss(tf.constant(1.0))
+
+
+class _LossInAddLoss(keras.layers.Layer):
+    """``add_loss`` of a Keras Loss called in the forward pass (Keras scales it by 1/replicas there)."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * keras.losses.MeanSquaredError()(inputs, tf.zeros_like(inputs)))
+        return inputs
+
+
+def test_losses_called_outside_the_training_loss_keep_keras_scaling(monkeypatch):
+    """Only the loss the gradients come from weighs by the share: a Loss used as a metric, or called for
+    ``add_loss`` in the forward pass, is not multiplied by the replica's count (it read 32 times its value), so
+    with an even split both weightings give the same weights and metrics."""
+    x, y = common.uneven_data(64)
+
+    def run():
+        with tfdist.scope("mirrored", devices="CPU:[0-1]"):
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), _LossInAddLoss(),
+                                      keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(0.05), "mse", metrics=[keras.losses.MeanAbsoluteError(name="mae_loss")])
+        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), history.history
+
+    exact_weights, exact_history = run()
+    monkeypatch.setenv(batch_shares.ENV, "keras")
+    keras_weights, keras_history = run()
+    for got, want in zip(exact_weights, keras_weights):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(exact_history["mae_loss"], keras_history["mae_loss"], rtol=1e-6)
+    np.testing.assert_allclose(exact_history["loss"], keras_history["loss"], rtol=1e-5)

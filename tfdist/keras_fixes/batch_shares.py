@@ -15,7 +15,9 @@ losses weigh count / global count instead of 1 / replicas, where count is its ex
   the replicas all-reduce their counts first (one scalar collective a step, issued before the
   forward pass) and the loss is multiplied by count / global count.
 
-The losses' display (Keras' trackers divide the same factor out again and weigh by the batch
+Only the loss the gradients come from (the step's ``compute_loss``) weighs so: a Loss used as a
+metric, or called for ``add_loss`` in the forward pass, keeps Keras' scaling. The losses' display
+(Keras' trackers divide the same factor out again and weigh by the batch
 size) and regularization losses (identical on every replica: their shares add up to 1) keep
 their one-device values; with an even split the weights are Keras'.
 
@@ -24,6 +26,9 @@ over several elements per example (a sequence loss) is exact when every example 
 many. Masked losses divide by their unmasked elements, which this count does not see: they
 stay as exact as in Keras. ``TFDIST_BATCH_WEIGHTING=keras`` (read when a step is traced)
 gives Keras' 1 / replicas weighting back, for comparing with old runs.
+
+A ``train_step`` of the user's own that does not call ``super().train_step`` keeps Keras'
+weighting (it computes its loss its own way): ``compute_average_loss`` gives it the exact one.
 
 Custom loops: ``compute_average_loss`` is ``tf.nn.compute_average_loss`` without the global
 batch size (the replicas add their counts up).
@@ -39,6 +44,7 @@ from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+from keras.src.trainers import trainer as trainer_module
 
 from tfdist.compression import Compression
 from tfdist.patching import Patch
@@ -79,6 +85,7 @@ class _Share:
 
     def __init__(self, factor: tf.Tensor, count: tf.Tensor | None):
         self.factor, self.count, self.reduced = factor, count, False
+        self.in_loss = False  # inside the step's compute_loss: only the losses it sums weigh by the share
 
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "train_step", ("self", "data"))
@@ -119,6 +126,20 @@ def _count_rides_in_a_bucket(model) -> bool:
                    for o in applying)
 
 
+@patch.replaces(trainer_module.Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training"))
+def _loss_weighed_by_share(original, self, *args, **kwargs):
+    """The training loss (what the gradients come from): a Loss called elsewhere in the step (as a metric, in
+    ``add_loss`` during the forward pass) keeps Keras' scaling, as its value is not divided back."""
+    share = getattr(_share, "value", None)
+    if share is None:
+        return original(self, *args, **kwargs)
+    share.in_loss = True
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        share.in_loss = False
+
+
 def count_to_reduce() -> tf.Tensor | None:
     """The count to all-reduce with the gradients (then divide their sums by the global count), or None."""
     share = getattr(_share, "value", None)
@@ -131,7 +152,7 @@ def count_to_reduce() -> tf.Tensor | None:
 @patch.replaces(loss_module, "scale_loss_for_distribution", ("value",))
 def _scale_by_share(original, value):
     share = getattr(_share, "value", None)
-    if share is None:
+    if share is None or not share.in_loss:
         return original(value)
     return value * tf.cast(share.factor, value.dtype)
 
