@@ -72,6 +72,16 @@ def test_each_call_has_its_own_keys_repeated_calls_and_attempts_apart(monkeypatc
     assert restarted.endswith("/1") and prefix.endswith("/1")
 
 
+def test_workers_that_reach_the_files_by_other_paths_or_orders_meet_under_one_key():
+    """A mount at another place, a relative pattern against an absolute one, a list in another order: each
+    worker waited out the hang timeout under a key of its own (review finding)."""
+    assert agreement.pattern_key("/mnt/a/shards/data-*.tfrecord") == agreement.pattern_key("../b/data-*.tfrecord") \
+        == agreement.pattern_key("data-*.tfrecord") == ["data-*.tfrecord"]
+    assert agreement.pattern_key(["x/val-*", "y/train-*"]) == agreement.pattern_key(["/d/train-*", "val-*"])
+    assert agreement.pattern_key("x/train-*") != agreement.pattern_key("x/val-*")
+    assert agreement.relative_names(["data-*"], ["./data-0"]) == agreement.relative_names(["/m/a/data-*"], ["/m/a/data-0"])
+
+
 @pytest.fixture
 def store(monkeypatch):
     """tfdist.kvstore over a dict shared by this process's threads; every call gets the key "t/2" (the 2nd build of "t")."""

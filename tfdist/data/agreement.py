@@ -6,7 +6,8 @@ arguments that every worker passes alike, the job's attempt (``TFDIST_RESTART``)
 same ones this process made before. So the n-th call with some arguments is one call on every worker: a second
 ``fit`` that rebuilds its dataset, or a dataset with an overlapping pattern, never reads another's entries.
 
-``check_same_files`` (issue 43): before a dataset sharded over the workers reads anything, every worker
+``check_same_files`` (issue 43): keyed by ``pattern_key`` (the patterns' last parts: workers may reach the
+files by other paths), before a dataset sharded over the workers reads anything, every worker
 publishes a digest of the files it lists (names relative to the pattern's directory, and record counts) and
 reads its peers'. Equal digests end it: one small entry per worker. When they differ, every worker publishes
 its whole list, and every worker raises the same DataError, naming the workers and the files that differ. A
@@ -50,6 +51,14 @@ def call_key(kind: str, arguments: list, env: Mapping[str, str] | None = None) -
     return f"tfdist/data/{kind}/{digest}/{_calls[kind, digest]}"
 
 
+def pattern_key(file_pattern) -> list[str]:
+    """What of ``file_pattern`` keys a dataset's exchange: each pattern's last part (after its last "/"), sorted.
+    Workers that mount the files at other places, list them from another working directory, or give the patterns
+    in another order meet under one key; datasets whose patterns end alike are told apart by their build count."""
+    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
+    return sorted(str(pattern).rstrip("/").rsplit("/", 1)[-1] for pattern in patterns)
+
+
 def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
     """``paths`` relative to the directory the ``patterns`` share before their first glob character, so that
     workers that mount the files at other places, or list them from another working directory, compare alike."""
@@ -61,7 +70,8 @@ def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
         if len(set(column)) > 1:
             break
         common.append(column[0])
-    base = "/".join(common)
+    base = os.path.normpath("/".join(common)) if common else ""
+    paths = [os.path.normpath(path) for path in paths]  # "./data-0" and "data-0" are one file
     return [path[len(base) + 1:] if base and path.startswith(base + "/") else path for path in paths]
 
 
@@ -83,7 +93,7 @@ def check_same_files(file_pattern, files: FileList | Exception, rank: int, size:
     if size < 2 or not kvstore.available():
         return
     timeout_s = timeout_s if timeout_s is not None else (watchdog.timeout_from_env() or watchdog.DEFAULT_HANG_TIMEOUT)
-    base = call_key("tfrecord_dataset", [file_pattern])
+    base = call_key("tfrecord_dataset", pattern_key(file_pattern))
     if isinstance(files, Exception):
         kvstore.put(f"{base}/digest/{rank}", f"{_FAILED}{type(files).__name__}: {files}")
         if rank == 0:  # it holds the store: its peers read the failure first (or a few seconds pass)
