@@ -88,6 +88,16 @@ def test_fp16_wire_under_loss_scaling_skips_no_step_one_device_takes(job):
         np.testing.assert_allclose(result["weights"], [1.0 - 0.01 * 3 * 2, 2.0 - 0.01 * 2], rtol=1e-6)
 
 
+def test_join_makes_every_tower_equal_when_their_eager_tapes_share_gradient_shapes(job):
+    """Two models of one shape, a tape each: their reductions share a name, and join broadcast only the latest
+    tape's variables (the first tower stayed 0.2 apart across ranks)."""
+    assert job.results[0]["towers_last"] == job.results[1]["towers_last"] == 1
+    for first, second in zip(job.results[0]["towers_weights"], job.results[1]["towers_weights"]):
+        for a, b in zip(first, second):
+            np.testing.assert_array_equal(a, b)
+    assert job.results[0]["towers_weights"][0] != job.results[0]["towers_weights"][1]  # two towers, trained apart
+
+
 def test_join_refuses_ranks_whose_tape_loops_differentiated_different_variables(monkeypatch):
     """The broadcast after join would mismatch (or hang): the ranks' counts are compared first, in the one
     all-gather join makes anyway."""

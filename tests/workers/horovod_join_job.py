@@ -71,6 +71,20 @@ for i in range((2, 4)[r]):
 payload["eager_last"] = int(hvd.join().numpy())
 payload["eager_weights"] = [w.tolist() for w in model.get_weights()]
 
+# 3b. Two models of one shape, each with its eager DistributedGradientTape (two towers, an ensemble): their tapes
+# share a name; join makes both models equal (it broadcast only the latest tape's variables). Rank 1 has more steps.
+towers = [linear_model(), linear_model()]
+tower_optimizers = [keras.optimizers.SGD(common.JOIN_LR), keras.optimizers.SGD(common.JOIN_LR)]
+x, y = common.join_data(r + 12, (2, 4)[r])
+for i in range((2, 4)[r]):
+    rows = slice(i * common.JOIN_BATCH, (i + 1) * common.JOIN_BATCH)
+    for tower, tower_optimizer, power in zip(towers, tower_optimizers, (2, 4)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.abs(tower(x[rows]) - y[rows]) ** power)
+        tape = hvd.DistributedGradientTape(tape)
+        tower_optimizer.apply_gradients(zip(tape.gradient(loss, tower.trainable_variables), tower.trainable_variables))
+payload["towers_last"] = int(hvd.join().numpy())
+payload["towers_weights"] = [[w.tolist() for w in tower.get_weights()] for tower in towers]
 # 4. SyncBatchNormalization: each rank half of every global batch.
 x, y = common.sync_bn_data()
 half = len(x) // 2

@@ -201,9 +201,10 @@ class GradientReduction:
         finally:
             self._flag = join_lib.ACTIVE
 
-    def stale_variables(self) -> list:
-        """The variables ``join`` must broadcast: a tape's (an optimizer's ``stand_in`` applied every update)."""
-        return [] if self._can_apply() else list(self.variables)
+    def applies_in_join(self) -> bool:
+        """Whether ``stand_in`` applies the others' updates (a DistributedOptimizer's); else ``join`` broadcasts
+        the variables of the tapes of this name."""
+        return self._can_apply()
 
     def _can_apply(self) -> bool:
         optimizer = self.optimizer

@@ -38,11 +38,15 @@ JOINED, ACTIVE = 1.0, 0.0
 # so join stands in once per step for it, not once per tape ever made.
 _used: dict[tuple, object] = {}
 _steps: dict[tuple, list] = {}  # name -> [step counter variable, its value at the last join]
+# name -> {id: variable} of every tape of that name since the last join: tapes with equal gradient shapes (two
+# towers of one shape, each with its tape) share a name, and join must make all their variables equal.
+_variables: dict[tuple, dict] = {}
 
 
 def record(reduction) -> None:
     """Notes that ``reduction`` reduces gradients every step (``join`` repeats its all-reduce)."""
     _used[reduction.name] = reduction
+    _variables.setdefault(reduction.name, {}).update((id(v), v) for v in reduction.variables)
 
 
 def count_step(reduction) -> None:
@@ -79,6 +83,7 @@ def join(group) -> int:
     for counter in _steps.values():
         counter[1] = int(counter[0].numpy())
     variables = _stale_variables(reductions)
+    _variables.clear()
     signature = zlib.crc32(repr([(tuple(v.shape), tf.as_dtype(v.dtype).name) for v in variables]).encode())
     everyone = group.allgather(tf.constant([rounds, len(variables), signature], tf.int64)).numpy().reshape(-1, 3)
     if len({(n, s) for _, n, s in everyone}) > 1:
@@ -100,6 +105,6 @@ def _stale_variables(reductions: list) -> list:
     """Every variable a tape loop updated that a joined rank's stand-ins did not, once each, in a fixed order."""
     found = {}
     for reduction in reductions:
-        for variable in reduction.stale_variables():
-            found.setdefault(id(variable), variable)
+        if not reduction.applies_in_join():
+            found.update(_variables.get(reduction.name, {}))
     return list(found.values())
