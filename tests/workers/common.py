@@ -376,3 +376,31 @@ def uneven_loop_by_hand(examples: int = 11, batch: int = 5, lr: float = 0.1) -> 
         kernel = kernel - lr * 2 * x[i:i + batch].T @ error / len(error)
         bias = bias - lr * 2 * error.mean(0)
     return [kernel, bias]
+
+
+def uneven_loop(strategy) -> list:
+    """A custom loop under ``strategy`` whose loss is ``tfdist.compute_average_loss``, over batches of 5 of
+    ``uneven_data(11)`` (2 replicas: 3/2, then 1/0); returns the weights (``uneven_loop_by_hand``'s on one device)."""
+    import keras
+    import tensorflow as tf
+
+    import tfdist
+
+    x, y = uneven_data(11)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        model.set_weights(uneven_loop_start())
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xr, yr):
+            with tf.GradientTape() as tape:
+                loss = tfdist.compute_average_loss(tf.square(model(xr) - yr)[:, 0])
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        strategy.run(replica, args=(xb, yb))
+
+    for xb, yb in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5)):
+        step(xb, yb)
+    return [w.tolist() for w in model.get_weights()]

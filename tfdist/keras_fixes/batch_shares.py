@@ -46,7 +46,7 @@ from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as trainer_module
 
-from tfdist.compression import Compression
+from tfdist import compression as compression_lib  # the module: it may be importing still (it imports Keras)
 from tfdist.patching import Patch
 
 ENV = "TFDIST_BATCH_WEIGHTING"
@@ -122,8 +122,8 @@ def _count_rides_in_a_bucket(model) -> bool:
             getattr(model.dtype_policy, "compute_dtype", "float32") == "float16":
         return False
     applying = [optimizer, *getattr(optimizer, "optimizers", [])]
-    return not any(o.gradient_accumulation_steps or getattr(o, "compression", Compression.none) is not Compression.none
-                   for o in applying)
+    none = compression_lib.Compression.none
+    return not any(o.gradient_accumulation_steps or getattr(o, "compression", none) is not none for o in applying)
 
 
 @patch.replaces(trainer_module.Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training"))
