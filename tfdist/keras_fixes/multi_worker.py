@@ -1,6 +1,7 @@
 """Keras 3 ``fit``/``evaluate``/``predict`` under MultiWorkerMirroredStrategy (keras#20585, tensorflow#72388).
 
-Both replacements change behaviour only under a multi-worker strategy.
+The reduce of logged values changes behaviour only under a multi-worker strategy; the build from a local
+batch under any strategy of several replicas (their shares of a global batch may differ in size).
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def _steps_traced_inline(original, self, step_function):
     return function
 
 
-def _clocked(step_function, after_batch: bool = True):
+def _clocked(step_function, after_batch: bool):
     """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start), and with
     ``after_batch`` every op of it after its batch.
 
