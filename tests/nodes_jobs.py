@@ -47,11 +47,29 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 120) -> None
 
 
 def finish(processes: Sequence[subprocess.Popen], timeout: float = 150) -> list[NodeResult]:
-    """Waits for every launcher (killing all of them on a timeout) and returns their results."""
-    deadline = time.monotonic() + timeout
+    """Waits for every launcher and returns their results; kills all of them on a timeout.
+
+    Called while an exception is on its way (a ``finally`` after a failed wait) it does not wait:
+    it kills the launchers at once and prints what they said, so the test's error shows it. On its
+    own timeout it raises an AssertionError holding each launcher's last output.
+    """
+    failing = sys.exc_info()[0] is not None
+    deadline = time.monotonic() + (0 if failing else timeout)
+    outputs: list[str] = []
     try:
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in processes]
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(0.1 if failing else 1.0, deadline - time.monotonic()))[0])
         return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
+    except subprocess.TimeoutExpired:
+        for process in processes[len(outputs):]:
+            process.kill()
+            outputs.append(process.communicate()[0] or "")
+        tails = "\n".join(f"--- launcher {i} (pid {p.pid}, exit {p.returncode}) said:\n{out[-4000:]}"
+                           for i, (p, out) in enumerate(zip(processes, outputs)))
+        if failing:
+            print(tails)
+            return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
+        raise AssertionError(f"the launchers did not finish within {timeout:g}s\n{tails}") from None
     finally:
         for process in processes:
             process.kill()

@@ -18,7 +18,7 @@ import tensorflow as tf
 from tfdist import cluster as cluster_lib
 from tfdist import devices as devices_lib
 from tfdist import precision as precision_lib
-from tfdist import preemption, process_group, startup, state, stragglers, timeline, watchdog
+from tfdist import preemption, process_group, sharding, startup, state, stragglers, timeline, watchdog
 from tfdist.devices import DeviceSpec, configure_cpu_devices, resolve_devices, runtime_initialized  # noqa: F401
 from tfdist.errors import StrategyError
 from tfdist.state import built_by_tfdist, current_strategy, origin_of_current  # noqa: F401  (this module's API)
@@ -52,7 +52,7 @@ DEFAULT_OPTIONS = {
 
 @contextlib.contextmanager
 def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
-          **options: Any) -> Iterator[tf.distribute.Strategy]:
+          shard_optimizer_state: bool | None = None, **options: Any) -> Iterator[tf.distribute.Strategy]:
     """Builds (once per process) and enters a distribution strategy; yields it.
 
     Args:
@@ -65,6 +65,9 @@ def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | N
             "mixed_bfloat16" or "auto" (see tfdist.precision). Set for the block and
             restored after it; not part of the once-per-process strategy, so each
             scope may choose its own.
+        shard_optimizer_state: True: an optimizer created in the block keeps 1/N of its
+            state on each of the N replicas (ZeRO-1, ``tfdist.keras_fixes.sharded_state``);
+            None: as ``TFDIST_SHARD_OPTIMIZER_STATE`` says (off when unset).
         **options: ``cross_device_ops`` (mirrored), ``communication`` and
             ``collective_timeout`` (multi_worker).
 
@@ -79,8 +82,10 @@ def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | N
     """
     if precision is not None:
         precision_lib.check_name(precision)  # a bad name fails before anything is built
+    if shard_optimizer_state is not None:
+        sharding.check(shard_optimizer_state)
     built = get_strategy(strategy, devices, **options)
-    with precision_lib.policy_scope(precision), built.scope():
+    with precision_lib.policy_scope(precision), sharding.scoped(shard_optimizer_state), built.scope():
         yield built
 
 

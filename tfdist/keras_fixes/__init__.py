@@ -9,6 +9,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``multi_worker``: Keras 3 fit/evaluate/predict under MultiWorkerMirroredStrategy
   (keras#20585, tensorflow#72388).
 * ``loss_scale``: LossScaleOptimizer skips a step when any replica overflows.
+* ``sharded_state``: ``shard_optimizer_state=True``: each replica keeps 1/N of the optimizer's
+  state and updates 1/N of the weights; the shards are all-gathered (ZeRO-1).
 * ``gradient_buckets``: gradients are all-reduced bucket by bucket, last layers first, so
   communication overlaps the backward pass (``tfdist.buckets``).
 * ``accumulation``: ``gradient_accumulation_steps`` and ``use_ema``'s
@@ -60,10 +62,11 @@ def patches() -> tuple[Patch, ...]:
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
     from tfdist.keras_fixes import (accumulation, autotune_fit, batch_shares, callbacks, distribution, distribution_cluster,
                                     gradient_buckets, loss_scale, multi_worker, precision_check, preemption,
-                                    py_dataset_build, quiet, replica_state, scaled_loss, sparse_rows, step_report,
+                                    py_dataset_build, quiet, replica_state, scaled_loss, sharded_state, sparse_rows,
+                                    step_report,
                                     steps_per_execution, sync_batch_norm, uneven, xla)
 
-    return (multi_worker.patch, loss_scale.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
+    return (multi_worker.patch, loss_scale.patch, sharded_state.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
             distribution_cluster.patch, distribution.patch, quiet.patch, step_report.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,

@@ -1,0 +1,299 @@
+"""ZeRO-1 for Keras on TensorFlow: each replica keeps 1/N of every optimizer slot and updates 1/N of the weights.
+
+An optimizer created while ``tfdist.sharding.requested()`` (``tfdist.scope(shard_optimizer_state=True)``,
+``TFDIST_SHARD_OPTIMIZER_STATE=1``, ``DistributedOptimizer(..., shard_optimizer_state=True)``) and
+built under a strategy of N > 1 replicas (local devices or workers) shards its state:
+
+* every slot Keras makes from a weight (``add_variable_from_reference``: momentum, Adam's moments,
+  RMSprop's averages, Adagrad's and Ftrl's accumulators) is a per-replica variable of
+  ``ceil(size / N)`` elements: replica r holds elements ``[r*s, (r+1)*s)`` of the flattened weight
+  (the last shard padded with zeros). A weight's shard is mirrored into a per-replica "shard of the
+  weight" variable of the same size, which the optimizer's own ``update_step`` updates;
+* a step: the gradients are all-reduced as before (in buckets, then clipped if asked: exact on the
+  sums); each replica slices its shard of each gradient and of each weight, runs the optimizer's
+  ``update_step`` on the shards, and the updated shards are all-gathered (one collective per dtype)
+  into every replica's whole weight, so every copy stays bit-identical;
+* ``save_own_variables`` gathers each slot into its whole shape, so a sharded optimizer saves the
+  standard Keras checkpoint (plain Keras loads it on one device); ``load_own_variables`` takes a
+  whole slot (from any number of replicas, or none) and keeps this replica's shard.
+
+Only optimizers whose update is element-wise can be sharded exactly (``SHARDABLE``); Lamb (a
+per-weight trust ratio), Adafactor (factored moments), Muon (whole matrices) and any other class
+are refused with an error naming them, as are ``use_ema`` and gradient accumulation (not sharded yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tensorflow as tf
+from keras.src import backend, optimizers
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+from tfdist import sharding
+from tfdist.patching import Patch
+
+patch = Patch(
+    "sharded_state", "keras#18473: no optimizer-state sharding on TensorFlow",
+    without="shard_optimizer_state=True keeps a whole copy of the optimizer state on every replica.")
+
+# Optimizers whose update_step reads and writes each element of a weight and its slots on its own.
+SHARDABLE = (optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.Adamax, optimizers.Adagrad,
+             optimizers.Adadelta, optimizers.RMSprop, optimizers.Nadam, optimizers.Ftrl, optimizers.Lion)
+
+
+class ShardingError(ValueError):
+    """An optimizer or option whose state tfdist cannot shard exactly."""
+
+
+@dataclasses.dataclass
+class _Slot:
+    shape: tuple[int, ...]
+    size: int
+
+
+class _Layout:
+    """Where each replica's shards are: not a trackable (Keras must not save it)."""
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        self.slots: dict[int, _Slot] = {}       # id(slot variable) -> the whole shape it stands for
+        self.weights: dict[int, object] = {}    # id(model variable) -> its shard-of-the-weight variable
+        self.shard_index: dict[object, int] = {}  # the shard variable's key -> the model variable's index
+
+    def shard_size(self, size: int) -> int:
+        return math.ceil(size / self.replicas)
+
+
+def check(optimizer) -> None:
+    """Raises ShardingError when ``optimizer``'s state cannot be sharded exactly, naming what and why."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, optimizers.LossScaleOptimizer):
+        return check(optimizer.inner_optimizer)
+    if type(optimizer).update_step not in {cls.update_step for cls in SHARDABLE}:
+        kinds = ", ".join(cls.__name__ for cls in SHARDABLE)
+        raise ShardingError(
+            f"tfdist cannot shard the state of {name}: its update is not element by element "
+            f"(Lamb's trust ratio and Adafactor's factored moments read a whole weight, Muon a whole matrix) or "
+            f"not one tfdist checked. Shardable: {kinds}. Use one of them, or shard_optimizer_state=False.")
+    if optimizer.use_ema:
+        raise ShardingError(f"shard_optimizer_state does not shard {name}(use_ema=True)'s moving averages yet: "
+                            "pass use_ema=False, or shard_optimizer_state=False.")
+    if optimizer.gradient_accumulation_steps:
+        raise ShardingError(
+            f"shard_optimizer_state does not shard gradient accumulation yet ({name}(gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps})): accumulate with shard_optimizer_state=False.")
+
+
+def mark(optimizer, value: bool = True) -> None:
+    """Makes ``optimizer`` (unbuilt) shard its state when it is built under several replicas."""
+    if value:
+        check(optimizer)
+    target = optimizer.inner_optimizer if isinstance(optimizer, optimizers.LossScaleOptimizer) else optimizer
+    target._tfdist_shard_state = value
+
+
+def is_sharded(optimizer) -> bool:
+    """Whether ``optimizer`` was built sharding its state (several replicas)."""
+    return getattr(optimizer, "_tfdist_layout", None) is not None
+
+
+@patch.replaces(TFOptimizer, "__init__", ("self", "args", "kwargs"))
+def _mark_when_requested(original, self, *args, **kwargs):
+    """An optimizer created while sharding is requested is marked (and checked) at once."""
+    original(self, *args, **kwargs)
+    if getattr(self, "_tfdist_shard_state", None) is None and sharding.requested() and not isinstance(
+            self, optimizers.LossScaleOptimizer):
+        mark(self)
+
+
+@patch.replaces(BaseOptimizer, "build", ("self", "variables"))
+def _lay_out_shards(original, self, variables):
+    """A marked optimizer under N > 1 replicas builds per-replica shards; else Keras' build."""
+    strategy = getattr(self, "_distribution_strategy", None)
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    if self.built or not getattr(self, "_tfdist_shard_state", False) or replicas <= 1:
+        return original(self, variables)
+    check(self)
+    layout = _Layout(replicas)
+    for variable in variables:
+        layout.weights[id(variable)] = _shard_variable(self, variable, "shard", "zeros", layout, track=False)
+    self._tfdist_layout = layout
+    original(self, variables)
+    for i, variable in enumerate(variables):
+        layout.shard_index[self._var_key(layout.weights[id(variable)])] = i
+
+
+@patch.replaces(TFOptimizer, "add_variable_from_reference", ("self", "reference_variable", "name", "initializer"))
+def _shard_of_a_slot(original, self, reference_variable, name=None, initializer="zeros"):
+    """A slot of a sharded optimizer holds this replica's ``ceil(size / N)`` elements of the weight's shape."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is None:
+        return original(self, reference_variable, name, initializer)
+    return _shard_variable(self, reference_variable, name or "var", initializer, layout, track=True)
+
+
+def _shard_variable(optimizer, reference, name: str, initializer, layout: _Layout, track: bool):
+    shape = tuple(int(d) for d in reference.shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    prefix = reference.path.replace("/", "_") if hasattr(reference, "path") else str(reference.name)
+    colocate = reference.value if isinstance(reference, backend.Variable) else reference
+    with optimizer._distribution_strategy.extended.colocate_vars_with(colocate), \
+            backend.name_scope(optimizer.name, caller=optimizer):
+        variable = backend.Variable(
+            initializer=optimizers.base_optimizer.initializers.get(initializer), shape=(layout.shard_size(size),),
+            dtype=reference.dtype, trainable=False, aggregation="none", synchronization="on_read",
+            name=f"{prefix}_{name}")
+    if track:
+        optimizer._track_variable(variable)
+        layout.slots[id(variable)] = _Slot(shape, size)
+    return variable
+
+
+@patch.replaces(BaseOptimizer, "_get_variable_index", ("self", "variable"))
+def _index_of_a_shard(original, self, variable):
+    """The shard of a weight has the weight's index (``update_step`` finds its slots by it)."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is not None:
+        index = layout.shard_index.get(self._var_key(variable))
+        if index is not None:
+            return index
+    return original(self, variable)
+
+
+@patch.replaces(TFOptimizer, "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"))
+def _update_shards(original, self, grads, trainable_variables, learning_rate):
+    """Each replica updates its shard of every weight; the shards are all-gathered into every replica's weights."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is None:
+        return original(self, grads, trainable_variables, learning_rate)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync != layout.replicas:
+        raise ShardingError(
+            f"{self.name} shards its state over {layout.replicas} replicas and applies gradients only inside "
+            "strategy.run (fit does; a custom loop calls optimizer.apply_gradients in its step function).")
+    trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
+    reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+    replica = context.replica_id_in_sync_group
+    shards = []
+    for gradient, variable in zip(reduced, trainable_variables):
+        shard = layout.weights[id(_keras_variable(self, variable))]
+        shard.assign(_my_shard(variable, replica, layout))
+        self.update_step(_my_shard(gradient, replica, layout), shard, learning_rate)
+        shards.append(shard)
+    whole = _gather_shards(context, shards, trainable_variables, layout)
+
+    def assign(strategy, values):
+        for variable, value in zip(trainable_variables, values):
+            strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,), group=False)
+
+    context.merge_call(assign, args=(whole,))
+
+
+def _keras_variable(optimizer, variable):
+    """The Keras variable the optimizer was built on, for a tf.Variable (``_backend_update_step`` gets those)."""
+    return optimizer._trainable_variables[optimizer._get_variable_index(variable)]
+
+
+def _my_shard(tensor, replica, layout: _Layout) -> tf.Tensor:
+    """Replica ``replica``'s ``ceil(size / N)`` elements of ``tensor``, flattened (zeros past its end)."""
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tf.convert_to_tensor(tensor)
+    flat = tf.reshape(tensor, [-1])
+    size = int(flat.shape[0])
+    shard = layout.shard_size(size)
+    flat = tf.pad(flat, [[0, shard * layout.replicas - size]])
+    return tf.gather(tf.reshape(flat, [layout.replicas, shard]), replica)
+
+
+def _gather_shards(context, shards, variables, layout: _Layout) -> list[tf.Tensor]:
+    """Every replica's updated shards, put back into whole weights: one all-gather per dtype."""
+    whole: list[tf.Tensor | None] = [None] * len(variables)
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, variable in enumerate(variables):
+        by_dtype.setdefault(variable.dtype.base_dtype, []).append(i)
+    for indices in by_dtype.values():
+        local = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], axis=0)
+        gathered = tf.reshape(context.all_gather(local, axis=0), [layout.replicas, -1])
+        offset = 0
+        for i in indices:
+            shape = variables[i].shape
+            size = int(np.prod(shape, dtype=np.int64))
+            width = layout.shard_size(size)
+            columns = gathered[:, offset:offset + width]
+            whole[i] = tf.reshape(tf.reshape(columns, [-1])[:size], shape)
+            offset += width
+    return whole
+
+
+@patch.replaces(BaseOptimizer, "save_own_variables", ("self", "store"))
+def _save_whole_slots(original, self, store):
+    """Each sharded slot is saved whole (gathered from every replica): the checkpoint of an unsharded optimizer."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is None:
+        return original(self, store)
+    whole = gather_slots(self)
+    for i, variable in enumerate(self.variables):
+        store[str(i)] = whole[id(variable)] if id(variable) in whole else variable.numpy()
+
+
+@patch.replaces(BaseOptimizer, "load_own_variables", ("self", "store"))
+def _load_my_shards(original, self, store):
+    """Whole slots (as any optimizer of the class saves them) are loaded; each replica keeps its shard."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is None or len(store.keys()) != len(self.variables):
+        return original(self, store)
+    strategy = self._distribution_strategy
+    replica_ids = [int(r) for r in strategy.experimental_local_results(
+        strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))]
+    for i, variable in enumerate(self.variables):
+        value = store[str(i)]
+        slot = layout.slots.get(id(variable))
+        if slot is None:
+            variable.assign(value)
+            continue
+        if tuple(np.shape(value)) != slot.shape:
+            raise ValueError(f"{self.name}'s slot {variable.name} is {slot.shape}; the checkpoint holds "
+                             f"{tuple(np.shape(value))}: it was saved by another model.")
+        rows = _rows(np.asarray(value), layout)
+        for replica, component in zip(replica_ids, strategy.experimental_local_results(variable.value)):
+            component.assign(rows[replica])
+
+
+def _rows(value: np.ndarray, layout: _Layout) -> np.ndarray:
+    """``value`` flattened, padded with zeros and cut into one row per replica."""
+    flat = value.reshape(-1)
+    shard = layout.shard_size(flat.size)
+    return np.pad(flat, (0, shard * layout.replicas - flat.size)).reshape(layout.replicas, shard)
+
+
+def gather_slots(optimizer) -> dict[int, np.ndarray]:
+    """id(slot variable) -> the whole slot, gathered from every replica (a collective under several workers)."""
+    layout = optimizer._tfdist_layout
+    strategy = optimizer._distribution_strategy
+    slots = [v for v in optimizer.variables if id(v) in layout.slots]
+    result = {}
+    for dtype in sorted({v.dtype for v in slots}):
+        group = [v for v in slots if v.dtype == dtype]
+        local = tf.function(lambda: tf.concat([tf.reshape(v.value, [-1]) for v in group], axis=0))
+        gathered = strategy.gather(strategy.run(local), axis=0).numpy().reshape(layout.replicas, -1)
+        offset = 0
+        for variable in group:
+            slot = layout.slots[id(variable)]
+            width = layout.shard_size(slot.size)
+            result[id(variable)] = gathered[:, offset:offset + width].reshape(-1)[:slot.size].reshape(slot.shape)
+            offset += width
+    return result
+
+
+def state_bytes_per_replica(optimizer) -> int:
+    """Bytes of optimizer state one replica holds (every variable of ``optimizer.variables``, one replica's copy)."""
+    total = 0
+    for variable in optimizer.variables:
+        value = variable.value
+        component = value.values[0] if hasattr(value, "values") else value
+        total += int(np.prod(component.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
+    return total
