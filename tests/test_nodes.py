@@ -4,6 +4,7 @@ tests/test_nodes_netns.py runs the same launcher on separate network hosts with 
 """
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -23,6 +24,20 @@ def toy(tmp_path, mode):
 
 
 def master_address():
+    """127.0.0.1 and a free port below the kernel's ephemeral range, which no outgoing connection takes.
+
+    A port from ``free_ports`` (the ephemeral range) can become some connection's local port
+    before the master binds it; nodes without --node-rank then all find the address in use and
+    wait for a master that never listens.
+    """
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return f"127.0.0.1:{port}"
     return f"127.0.0.1:{local.free_ports(1)[0]}"
 
 

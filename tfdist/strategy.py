@@ -19,7 +19,6 @@ from tfdist import cluster as cluster_lib
 from tfdist import devices as devices_lib
 from tfdist import precision as precision_lib
 from tfdist import preemption, process_group, sharding, startup, state, stragglers, timeline, watchdog
-from tfdist.devices import DeviceSpec, configure_cpu_devices, resolve_devices, runtime_initialized  # noqa: F401
 from tfdist.errors import StrategyError
 from tfdist.state import built_by_tfdist, current_strategy, origin_of_current  # noqa: F401  (this module's API)
 
@@ -51,7 +50,7 @@ DEFAULT_OPTIONS = {
 
 
 @contextlib.contextmanager
-def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
+def scope(strategy: str = "auto", devices: devices_lib.DeviceSpec = None, precision: str | None = None,
           shard_optimizer_state: bool | None = None, **options: Any) -> Iterator[tf.distribute.Strategy]:
     """Builds (once per process) and enters a distribution strategy; yields it.
 
@@ -89,7 +88,7 @@ def scope(strategy: str = "auto", devices: DeviceSpec = None, precision: str | N
         yield built
 
 
-def get_strategy(strategy: str = "auto", devices: DeviceSpec = None, **options: Any) -> tf.distribute.Strategy:
+def get_strategy(strategy: str = "auto", devices: devices_lib.DeviceSpec = None, **options: Any) -> tf.distribute.Strategy:
     """Returns the process's strategy, building it on the first call; does not enter it."""
     return _get_or_build(_request_key(strategy, devices, options), None)
 
@@ -142,7 +141,7 @@ def current_multi_worker() -> tf.distribute.Strategy | None:
 
 
 
-def init(strategy: str = "auto", devices: DeviceSpec = None, precision: str | None = None,
+def init(strategy: str = "auto", devices: devices_lib.DeviceSpec = None, precision: str | None = None,
          **options: Any) -> tf.distribute.Strategy:
     """Horovod-style start: builds the strategy and makes it the process-wide default.
 
@@ -160,7 +159,7 @@ def init(strategy: str = "auto", devices: DeviceSpec = None, precision: str | No
     return built
 
 
-def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
+def make_strategy(strategy: str = "auto", devices: devices_lib.DeviceSpec = None, *,
                   cluster: cluster_lib.ClusterInfo | None = None, **options: Any) -> tf.distribute.Strategy:
     """The factory: builds a new strategy by name, with no caching.
 
@@ -170,7 +169,7 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
     if strategy not in STRATEGY_NAMES:
         raise StrategyError(f"Unknown strategy {strategy!r}; choose one of {list(STRATEGY_NAMES)}.")
     cluster = cluster_lib.cluster_from_env() if cluster is None else cluster
-    configure_cpu_devices(cluster_lib.cpu_devices_from_env())
+    devices_lib.configure_cpu_devices(cluster_lib.cpu_devices_from_env())
     if strategy == "auto":
         strategy = _auto_name(cluster, devices)
     if strategy == "multi_worker":
@@ -180,7 +179,7 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
             raise StrategyError(f"strategy='default' uses TensorFlow's placement; received devices={devices!r}. "
                                 "Drop devices, or use strategy='one_device' or 'mirrored'.")
         return tf.distribute.get_strategy()
-    names = resolve_devices(devices)
+    names = devices_lib.resolve_devices(devices)
     if strategy == "one_device":
         if len(names) != 1:
             raise StrategyError(f"strategy='one_device' needs exactly one device; devices={devices!r} "
@@ -193,16 +192,16 @@ def make_strategy(strategy: str = "auto", devices: DeviceSpec = None, *,
         names, cross_device_ops=CROSS_DEVICE_OPS[cross_device_ops]() if cross_device_ops else None)
 
 
-def _auto_name(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec) -> str:
+def _auto_name(cluster: cluster_lib.ClusterInfo, devices: devices_lib.DeviceSpec) -> str:
     if cluster.is_multi_worker:
         return "multi_worker"
-    names = resolve_devices(devices)
+    names = devices_lib.resolve_devices(devices)
     if len(names) > 1:
         return "mirrored"
     return "default" if devices is None else "one_device"
 
 
-def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: dict) -> tf.distribute.Strategy:
+def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: devices_lib.DeviceSpec, opts: dict) -> tf.distribute.Strategy:
     existing = current_multi_worker()
     if existing is not None:
         return existing  # TensorFlow allows one per process
@@ -212,7 +211,7 @@ def _multi_worker(cluster: cluster_lib.ClusterInfo, devices: DeviceSpec, opts: d
             f"describes {cluster.num_workers} (source: {cluster.source}). Start the script with "
             "'tfdist run -n N -- python script.py', set TF_CONFIG, or run it under srun."
         )
-    if runtime_initialized():
+    if devices_lib.runtime_initialized():
         raise StrategyError(_too_late_message())
     devices_lib.pin_gpus(cluster, devices)
     devices_lib.configure_inter_op_threads()
@@ -267,7 +266,7 @@ def _check_options(options: dict) -> dict:
     return opts
 
 
-def _request_key(strategy: str, devices: DeviceSpec, options: dict) -> tuple:
+def _request_key(strategy: str, devices: devices_lib.DeviceSpec, options: dict) -> tuple:
     """(name, devices, options) of a request; "auto" in a multi-worker cluster is "multi_worker"."""
     if strategy == "auto" and _env_is_multi_worker():
         strategy = "multi_worker"
@@ -289,3 +288,15 @@ def _describe(key: tuple) -> str:
     strategy, devices, options = key
     extra = "".join(f", {k}={v!r}" for k, v in options)
     return f"strategy={strategy!r}, devices={devices!r}{extra}"
+
+
+def __getattr__(name: str):
+    """``resolve_devices``, ``runtime_initialized``, ``configure_cpu_devices``, ``DeviceSpec``: tfdist.devices' own.
+
+    Looked up when used, not at import: a script that imports ``tfdist.devices`` first imports
+    TensorFlow from it, whose Keras import applies tfdist's fixes, which import this module while
+    ``tfdist.devices`` is still half-imported.
+    """
+    if name in ("resolve_devices", "runtime_initialized", "configure_cpu_devices", "DeviceSpec"):
+        return getattr(devices_lib, name)
+    raise AttributeError(f"module 'tfdist.strategy' has no attribute {name!r}")
