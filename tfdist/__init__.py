@@ -66,6 +66,8 @@ _EXPORTS = {
     "broadcast": "tfdist.collectives",
     "DistributedOptimizer": "tfdist.optimizer",
     "compute_average_loss": "tfdist.keras_fixes.batch_shares",
+    "optimizer_state_bytes": "tfdist.keras_fixes.sharded_state",
+    "ShardingError": "tfdist.errors",
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",
     "set_autotune": "tfdist.autotune",

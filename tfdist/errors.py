@@ -110,3 +110,7 @@ class KerasCompatibilityWarning(UserWarning):
 
 class StartupWarning(UserWarning):
     """A tfdist start-up hook could not do its work; the message says what will not work."""
+
+
+class ShardingError(ValueError, TfdistError):
+    """An optimizer or option whose state ``shard_optimizer_state=True`` cannot shard exactly; the message names it."""

@@ -21,8 +21,8 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 from tfdist.errors import KerasCompatibilityError
-from tfdist.keras_fixes import accumulation, gradient_buckets
-from tfdist import patching
+from tfdist.keras_fixes import accumulation, gradient_buckets, sharded_state
+from tfdist import patching, sharding
 from tfdist.patching import Patch
 
 # The Keras methods _DistributedMixin overrides: if Keras stopped calling them, gradients would
@@ -37,7 +37,8 @@ _classes: dict[tuple[type, type], type] = {}
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (Horovod's name)
                          backward_passes_per_step: int = 1,
-                         compression=Compression.none) -> keras.optimizers.Optimizer:
+                         compression=Compression.none,
+                         shard_optimizer_state: bool | None = None) -> keras.optimizers.Optimizer:
     """Returns a copy of ``optimizer`` that accumulates gradients and works under any strategy.
 
     The copy is an instance of a subclass of ``type(optimizer)``, made from its config, so
@@ -53,6 +54,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
             optimizer created with ``gradient_accumulation_steps=k`` means the same.
         compression: ``Compression.none``, or ``Compression.fp16`` to all-reduce the
             gradients in float16 (opt-in: results differ from float32 by about 1e-3).
+        shard_optimizer_state: True: under N > 1 replicas each keeps 1/N of the optimizer's
+            state (ZeRO-1, ``tfdist.keras_fixes.sharded_state``); None: as ``tfdist.scope`` or
+            ``TFDIST_SHARD_OPTIMIZER_STATE`` say.
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer or is a ``MultiOptimizer``, or ``compression`` is
@@ -60,6 +64,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
         ValueError: k is not a positive int, disagrees with the optimizer's own
             ``gradient_accumulation_steps``, or the optimizer was already built.
         KerasCompatibilityError: k > 1 with a Keras whose accumulation tfdist cannot fix.
+        ShardingError: ``shard_optimizer_state=True`` for an optimizer or option it cannot shard.
     """
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; received "
@@ -80,10 +85,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
             f"allow: {accumulation.patch.problem}. Install Keras {patching.TESTED_KERAS}, or pass "
             "backward_passes_per_step=1.")
     compression_lib.check(compression)
+    if shard_optimizer_state is not None:
+        sharding.check(shard_optimizer_state)
     config = optimizer.get_config()
     config["gradient_accumulation_steps"] = steps if steps > 1 else None
     distributed = _distributed_class(type(optimizer)).from_config(config)
     distributed.compression = compression
+    if shard_optimizer_state is not None:
+        sharded_state.mark(distributed, shard_optimizer_state)
     return distributed
 
 

@@ -30,12 +30,13 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from tfdist import buckets, step_clock
 from tfdist import compression as compression_lib
 from tfdist import optimizer as optimizer_lib
-from tfdist import process_group
+from tfdist import process_group, sharding
 from tfdist.compression import Compression
 from tfdist.horovod import uneven as join_lib
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
-from tfdist.keras_fixes import scaled_loss
+from tfdist.errors import ShardingError
+from tfdist.keras_fixes import scaled_loss, sharded_state
 from tfdist.patching import Patch
 
 # The Keras method _AllReduceBeforeUpdate overrides: if Keras stopped calling it, each process
@@ -270,7 +271,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
                          compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
                          op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True,
-                         use_locking=False):
+                         use_locking=False, shard_optimizer_state=None):
     """A copy of a Keras optimizer whose updates average gradients across processes first.
 
     Args:
@@ -289,6 +290,8 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
         num_groups, groups: accepted; gradients are fused into one all-reduce per dtype.
         process_set: the ranks that average together.
         device_dense, device_sparse, scale_local_gradients, use_locking: accepted, no effect.
+        shard_optimizer_state: True (or ``TFDIST_SHARD_OPTIMIZER_STATE=1``) is a ShardingError:
+            Horovod scripts save on rank 0 alone, which cannot gather the other ranks' shards.
 
     Returns:
         An optimizer of the same Keras class.
@@ -297,7 +300,10 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
         TypeError: not a Keras optimizer (a ``tf.compat.v1`` optimizer is named), or a ``MultiOptimizer``.
         ValueError: Adasum, an unknown op, bad ``backward_passes_per_step``, or one that
             disagrees with the optimizer's own ``gradient_accumulation_steps``.
+        ShardingError: ``shard_optimizer_state`` asked for.
     """
+    if sharding.check(shard_optimizer_state):
+        raise ShardingError(sharded_state.HOROVOD_REFUSAL)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"tfdist.horovod.DistributedOptimizer wraps Keras optimizers; received the TF1 optimizer "
                         f"{type(optimizer).__name__}. Use a Keras one, e.g. tf.optimizers.SGD(lr) or "
@@ -313,7 +319,7 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
             gradient_predivide_factor=gradient_predivide_factor, op=op,
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, groups=_groups(groups, num_groups),
-            process_set=process_set)
+            process_set=process_set, shard_optimizer_state=False)
         config = optimizer.get_config()
         return keras.optimizers.LossScaleOptimizer(inner, initial_scale=config["initial_scale"],
                                                    dynamic_growth_steps=config["dynamic_growth_steps"])

@@ -34,6 +34,7 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from tfdist import sharding
+from tfdist.errors import ShardingError
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -43,10 +44,6 @@ patch = Patch(
 # Optimizers whose update_step reads and writes each element of a weight and its slots on its own.
 SHARDABLE = (optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.Adamax, optimizers.Adagrad,
              optimizers.Adadelta, optimizers.RMSprop, optimizers.Nadam, optimizers.Ftrl, optimizers.Lion)
-
-
-class ShardingError(ValueError):
-    """An optimizer or option whose state tfdist cannot shard exactly."""
 
 
 @dataclasses.dataclass
@@ -68,17 +65,26 @@ class _Layout:
         return math.ceil(size / self.replicas)
 
 
+HOROVOD_REFUSAL = (
+    "tfdist.horovod does not shard optimizer state: Horovod scripts save on rank 0 alone, which cannot gather the "
+    "other ranks' shards. Train with tfdist.scope(shard_optimizer_state=True) (fit or strategy.run), or pass "
+    f"shard_optimizer_state=False / leave {sharding.ENV} unset.")
+
+
 def check(optimizer) -> None:
     """Raises ShardingError when ``optimizer``'s state cannot be sharded exactly, naming what and why."""
     name = type(optimizer).__name__
     if isinstance(optimizer, optimizers.LossScaleOptimizer):
         return check(optimizer.inner_optimizer)
+    if getattr(optimizer, "_tfdist_reduction", None) is not None:
+        raise ShardingError(HOROVOD_REFUSAL)
     if type(optimizer).update_step not in {cls.update_step for cls in SHARDABLE}:
         kinds = ", ".join(cls.__name__ for cls in SHARDABLE)
         raise ShardingError(
             f"tfdist cannot shard the state of {name}: its update is not element by element "
             f"(Lamb's trust ratio and Adafactor's factored moments read a whole weight, Muon a whole matrix) or "
-            f"not one tfdist checked. Shardable: {kinds}. Use one of them, or shard_optimizer_state=False.")
+            f"not one tfdist checked. Shardable: {kinds}. Use one of them, or turn sharding off "
+            f"(shard_optimizer_state=False, {sharding.ENV}=0).")
     if optimizer.use_ema:
         raise ShardingError(f"shard_optimizer_state does not shard {name}(use_ema=True)'s moving averages yet: "
                             "pass use_ema=False, or shard_optimizer_state=False.")
@@ -97,17 +103,19 @@ def mark(optimizer, value: bool = True) -> None:
 
 
 def is_sharded(optimizer) -> bool:
-    """Whether ``optimizer`` was built sharding its state (several replicas)."""
+    """Whether ``optimizer`` (or a LossScaleOptimizer's inner one) was built sharding its state."""
+    if isinstance(optimizer, optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     return getattr(optimizer, "_tfdist_layout", None) is not None
 
 
 @patch.replaces(TFOptimizer, "__init__", ("self", "args", "kwargs"))
 def _mark_when_requested(original, self, *args, **kwargs):
-    """An optimizer created while sharding is requested is marked (and checked) at once."""
+    """An optimizer created while sharding is requested is marked, to shard when built under several replicas."""
     original(self, *args, **kwargs)
     if getattr(self, "_tfdist_shard_state", None) is None and sharding.requested() and not isinstance(
             self, optimizers.LossScaleOptimizer):
-        mark(self)
+        self._tfdist_shard_state = True  # checked when built (Keras makes optimizers of its own, e.g. saving)
 
 
 @patch.replaces(BaseOptimizer, "build", ("self", "variables"))
@@ -289,8 +297,8 @@ def gather_slots(optimizer) -> dict[int, np.ndarray]:
     return result
 
 
-def state_bytes_per_replica(optimizer) -> int:
-    """Bytes of optimizer state one replica holds (every variable of ``optimizer.variables``, one replica's copy)."""
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of optimizer state one replica holds: one replica's copy of every variable in ``optimizer.variables``."""
     total = 0
     for variable in optimizer.variables:
         value = variable.value

@@ -1,0 +1,230 @@
+"""Optimizer state sharded across replicas (ZeRO-1, issue 42), on 2 and 4 logical CPUs in one process.
+
+Each shardable Keras optimizer, with the options a user sets, trains as one device does (weights to
+1e-6, the same step count) while each replica holds 1/N of every slot; every replica's weights are the
+same bits; a sharded optimizer saves the checkpoint of an unsharded one, which loads on any number of
+replicas. What cannot be sharded exactly is refused, naming it. tests/test_sharded_state_multi_worker.py
+runs worker processes.
+"""
+
+import re
+
+import h5py
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+import tfdist.horovod as hvd
+from tfdist import sharding
+from tfdist.keras_fixes import sharded_state
+
+pytestmark = pytest.mark.usefixtures("fresh_tfdist_strategy", "restore_dtype_policy")
+
+GLOBAL = 16
+rng = np.random.default_rng(0)
+X, Y = rng.normal(size=(48, 8)).astype("float32"), rng.normal(size=(48, 4)).astype("float32")
+
+# Each shardable optimizer with the options users set on it (clipping acts on the summed gradient).
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda: keras.optimizers.Adam(0.01, amsgrad=True, global_clipnorm=0.5),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1, clipnorm=0.05),
+    "adamax": lambda: keras.optimizers.Adamax(0.01, clipvalue=0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1, initial_accumulator_value=0.2),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, centered=True, momentum=0.5),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+}
+
+
+def mlp():
+    """Every weight's size divides by 4 (no padding): 8x16, 16, 16x4, 4."""
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(4)])
+
+
+def compiled(make_optimizer):
+    keras.utils.set_random_seed(1)
+    model = mlp()
+    model.compile(make_optimizer(), "mse")
+    return model
+
+
+def train(make_optimizer, replicas, shard=True, epochs=2, policy="float32"):
+    """``fit`` at global batch GLOBAL on one device, or under tfdist.scope() over ``replicas`` CPUs."""
+    keras.config.set_dtype_policy(policy)
+    if replicas == 1:
+        model = compiled(make_optimizer)
+    else:
+        with tfdist.scope("mirrored", devices=f"CPU:[0-{replicas - 1}]", shard_optimizer_state=shard):
+            model = compiled(make_optimizer)
+    model.fit(X, Y, batch_size=GLOBAL, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def replica_values(variable):
+    return [v.numpy() for v in variable.value.values]
+
+
+def assert_trains_as_one_device(one, many, atol=1e-6):
+    assert int(many.optimizer.iterations.numpy()) == int(one.optimizer.iterations.numpy())
+    for got, want in zip(many.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(got, want, atol=atol)
+    for variable in many.trainable_variables:
+        first, *others = replica_values(variable)
+        assert all(np.array_equal(first, other) for other in others)  # every replica the same bits
+
+
+@pytest.mark.parametrize("name, replicas", [(name, 2) for name in OPTIMIZERS] + [("adam", 4), ("ftrl", 4)])
+def test_each_optimizer_sharded_trains_as_one_device_holding_a_share_of_its_state(name, replicas):
+    one = train(OPTIMIZERS[name], 1)
+    many = train(OPTIMIZERS[name], replicas)
+    assert sharded_state.is_sharded(many.optimizer)
+    assert_trains_as_one_device(one, many)
+    whole = [int(np.prod(v.shape)) for v in one.optimizer.variables]  # the same variables, in the same order
+    assert len(whole) == len(many.optimizer.variables)
+    for size, variable in zip(whole, many.optimizer.variables):
+        if size > 1:  # a slot: 1/N of the weight on each replica
+            assert replica_values(variable)[0].shape == (size // replicas,), variable.path
+    scalars = sum(tf.as_dtype(v.dtype).size for v, size in zip(one.optimizer.variables, whole) if size == 1)
+    assert tfdist.optimizer_state_bytes(many.optimizer) - scalars == (
+        tfdist.optimizer_state_bytes(one.optimizer) - scalars) // replicas
+
+
+def test_a_weight_whose_size_does_not_divide_pads_its_last_shard():
+    """A Dense(3) bias on 2 replicas: shards of 2 (one padding zero), and still one device's weights."""
+    def small():
+        return keras.optimizers.Adam(0.01)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(3)])
+        model.compile(small(), "mse")
+        return model
+
+    one = build()
+    one.fit(X[:, :5], Y[:, :3], batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
+        two = build()
+    two.fit(X[:, :5], Y[:, :3], batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    assert_trains_as_one_device(one, two)
+    assert {replica_values(v)[0].shape for v in two.optimizer.variables} >= {(18,), (4,), (11,), (2,)}
+
+
+def test_mixed_float16_sharded_equals_unsharded_on_the_same_replicas():
+    """Loss scaling wraps the sharded optimizer; the shards' update is the whole update's, bit for bit."""
+    whole = train(lambda: keras.optimizers.Adam(0.01), 2, shard=False, policy="mixed_float16")
+    sharded = train(lambda: keras.optimizers.Adam(0.01), 2, policy="mixed_float16")
+    assert isinstance(sharded.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert sharded_state.is_sharded(sharded.optimizer)
+    assert_trains_as_one_device(whole, sharded, atol=0)
+    assert float(sharded.optimizer.dynamic_scale.numpy()) == float(whole.optimizer.dynamic_scale.numpy())
+
+
+def test_a_custom_loop_applies_sharded_gradients_inside_strategy_run():
+    one = compiled(OPTIMIZERS["adam"])
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True) as strategy:
+        two = compiled(OPTIMIZERS["adam"])
+        optimizer = two.optimizer
+        optimizer.build(two.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(two(x) - y)) / GLOBAL
+            optimizer.apply_gradients(zip(tape.gradient(loss, two.trainable_variables), two.trainable_variables))
+        strategy.run(replica_step, (x, y))
+
+    data = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL))
+    for x, y in data:
+        step(x, y)
+    one.optimizer.build(one.trainable_variables)
+    for start in range(0, len(X), GLOBAL):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.reduce_sum(tf.square(one(X[start:start + GLOBAL]) - Y[start:start + GLOBAL]), -1))
+        one.optimizer.apply_gradients(zip(tape.gradient(loss, one.trainable_variables), one.trainable_variables))
+    assert sharded_state.is_sharded(optimizer)
+    assert_trains_as_one_device(one, two)
+    with pytest.raises(tfdist.ShardingError, match=re.escape(
+            "shards its state over 2 replicas and applies gradients only inside strategy.run")):
+        with strategy.scope():
+            optimizer.apply_gradients(zip([tf.zeros_like(v) for v in two.trainable_variables], two.trainable_variables))
+
+
+def test_a_sharded_checkpoint_is_keras_own_and_loads_on_any_number_of_replicas(tmp_path, monkeypatch):
+    """2 sharded replicas save; the file holds one device's whole slots; one device and 4 sharded replicas
+    load it and train on as one device does."""
+    one = train(OPTIMIZERS["adam"], 1, epochs=1)
+    saved_slots = [v.numpy() for v in one.optimizer.variables]
+    one.fit(X, Y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0)
+    two = train(OPTIMIZERS["adam"], 2, epochs=1)
+    two.save(tmp_path / "model.keras")
+    two.save_weights(tmp_path / "model.weights.h5")
+    with h5py.File(tmp_path / "model.weights.h5") as f:
+        stored = [f["optimizer/vars"][str(i)][()] for i in range(len(f["optimizer/vars"]))]
+    assert len(stored) == len(saved_slots)
+    for got, want in zip(stored, saved_slots):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+    plain = keras.models.load_model(tmp_path / "model.keras")  # no strategy: Keras' own optimizer
+    assert not sharded_state.is_sharded(plain.optimizer)
+    plain.fit(X, Y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0)
+    assert_same_weights(plain, one)
+
+    tf.distribute.MirroredStrategy._collective_key_base += 100000  # a second strategy in this test
+    monkeypatch.setenv(sharding.ENV, "1")
+    with tf.distribute.MirroredStrategy([f"CPU:{i}" for i in range(4)]).scope():
+        four = keras.models.load_model(tmp_path / "model.keras")
+    assert sharded_state.is_sharded(four.optimizer)
+    four.fit(X, Y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0)
+    assert_trains_as_one_device(one, four)
+
+
+def assert_same_weights(got_model, want_model):
+    for got, want in zip(got_model.get_weights(), want_model.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_optimizer, message", [
+    (lambda: keras.optimizers.Lamb(0.01), r"cannot shard the state of Lamb: its update is not element by element"),
+    (lambda: keras.optimizers.Adafactor(0.01), r"cannot shard the state of Adafactor"),
+    (lambda: keras.optimizers.Muon(0.01), r"cannot shard the state of Muon"),
+    (lambda: keras.optimizers.Adam(0.01, use_ema=True),
+     r"does not shard Adam\(use_ema=True\)'s moving averages yet: pass use_ema=False"),
+    (lambda: keras.optimizers.SGD(0.01, gradient_accumulation_steps=2),
+     r"does not shard gradient accumulation yet \(SGD\(gradient_accumulation_steps=2\)\)"),
+], ids=["lamb", "adafactor", "muon", "use_ema", "accumulation"])
+def test_what_cannot_be_sharded_exactly_is_refused_at_the_first_fit(make_optimizer, message):
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
+        model = compiled(make_optimizer)
+    with pytest.raises(tfdist.ShardingError, match=message):
+        model.fit(X, Y, batch_size=GLOBAL, epochs=1, verbose=0)
+
+
+def test_the_switch_names_a_bad_value(monkeypatch):
+    with pytest.raises(TypeError, match=r"shard_optimizer_state takes True or False; received 'yes'"):
+        with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state="yes"):
+            pass
+    monkeypatch.setenv(sharding.ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"TFDIST_SHARD_OPTIMIZER_STATE='sometimes' is not a switch: set it to 1"):
+        keras.optimizers.SGD(0.1)
+    monkeypatch.delenv(sharding.ENV)
+    with pytest.raises(tfdist.ShardingError, match=r"tfdist.horovod does not shard optimizer state: Horovod scripts "
+                                                   r"save on rank 0 alone"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True)
+
+
+def test_distributed_optimizer_and_the_environment_turn_it_on_and_a_scope_turns_it_off(monkeypatch):
+    with tfdist.scope("mirrored", devices="CPU:[0-1]"):
+        model = compiled(lambda: tfdist.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True))
+        monkeypatch.setenv(sharding.ENV, "1")
+        by_environment = compiled(OPTIMIZERS["adam"])
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=False):
+        off = compiled(OPTIMIZERS["adam"])
+    for each in (model, by_environment, off):
+        each.fit(X, Y, batch_size=GLOBAL, epochs=1, verbose=0)
+    assert [sharded_state.is_sharded(m.optimizer) for m in (model, by_environment, off)] == [True, True, False]
