@@ -273,6 +273,9 @@ def collectives_waited_for(graph) -> dict:
     return waits
 
 
+SHARDED_STEPS, SHARDED_EPOCHS = 6, 2  # tests/workers/sharded_state_job.py
+
+
 def resumable_model():
     """``equivalence_model`` with Adam on a decaying learning rate: optimizer state a resumed run must restore."""
     import keras

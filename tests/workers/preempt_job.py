@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tests.workers import common
+from tfdist.keras_fixes import sharded_state
 
 out_dir, mode = sys.argv[1], sys.argv[2]
 source, mode = ("pydataset", mode.removeprefix("pydataset").lstrip("-") or "launcher") \
@@ -81,4 +82,5 @@ inject = Inject()
 model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False,
           callbacks=[keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup")), inject])
 common.write_result(out_dir, {"weights": [w.tolist() for w in model.get_weights()],
-                              "iterations": int(model.optimizer.iterations.numpy()), "steps": inject.steps})
+                              "iterations": int(model.optimizer.iterations.numpy()), "steps": inject.steps,
+                              "sharded": sharded_state.is_sharded(model.optimizer)})
