@@ -7,12 +7,13 @@ built under a strategy of N > 1 replicas (local devices or workers) shards its s
 * every slot Keras makes from a weight (``add_variable_from_reference``: momentum, Adam's moments,
   RMSprop's averages, Adagrad's and Ftrl's accumulators) is a per-replica variable of
   ``ceil(size / N)`` elements: replica r holds elements ``[r*s, (r+1)*s)`` of the flattened weight
-  (the last shard padded with zeros). A weight's shard is mirrored into a per-replica "shard of the
-  weight" variable of the same size, which the optimizer's own ``update_step`` updates;
+  (the last shard padded with zeros);
 * a step: the gradients are all-reduced as before (in buckets, then clipped if asked: exact on the
-  sums); each replica slices its shard of each gradient and of each weight, runs the optimizer's
-  ``update_step`` on the shards, and the updated shards are all-gathered (one collective per dtype)
-  into every replica's whole weight, so every copy stays bit-identical;
+  sums; weight decay acts on the whole weights first, as Keras does); each replica slices its shard of
+  each gradient and of each weight, runs the optimizer's own ``update_step`` on them (the weight's
+  shard is a tensor assigned functionally, ``_Shard``: no variable holds it), and the updated shards
+  are all-gathered, a group of weights of up to ``GATHER_BYTES`` at a time, into every replica's copy
+  of each weight, so every copy stays bit-identical;
 * ``save_own_variables`` gathers each slot into its whole shape, so a sharded optimizer saves the
   standard Keras checkpoint (plain Keras loads it on one device); ``load_own_variables`` takes a
   whole slot (from any number of replicas, or none) and keeps this replica's shard.
@@ -29,7 +30,7 @@ import math
 
 import numpy as np
 import tensorflow as tf
-from keras.src import backend, optimizers
+from keras.src import backend, initializers, optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
@@ -41,6 +42,7 @@ patch = Patch(
     "sharded_state", "keras#18473: no optimizer-state sharding on TensorFlow",
     without="shard_optimizer_state=True keeps a whole copy of the optimizer state on every replica.")
 
+GATHER_BYTES = 16 * 2**20  # whole-weight bytes all-gathered at once (``_gather_groups``)
 # Optimizers whose update_step reads and writes each element of a weight and its slots on its own.
 SHARDABLE = (optimizers.SGD, optimizers.Adam, optimizers.AdamW, optimizers.Adamax, optimizers.Adagrad,
              optimizers.Adadelta, optimizers.RMSprop, optimizers.Nadam, optimizers.Ftrl, optimizers.Lion)
@@ -53,13 +55,11 @@ class _Slot:
 
 
 class _Layout:
-    """Where each replica's shards are: not a trackable (Keras must not save it)."""
+    """How many replicas share the state, and the whole shape of each slot: not a trackable (Keras must not save it)."""
 
     def __init__(self, replicas: int):
         self.replicas = replicas
-        self.slots: dict[int, _Slot] = {}       # id(slot variable) -> the whole shape it stands for
-        self.weights: dict[int, object] = {}    # id(model variable) -> its shard-of-the-weight variable
-        self.shard_index: dict[object, int] = {}  # the shard variable's key -> the model variable's index
+        self.slots: dict[int, _Slot] = {}  # id(slot variable) -> the whole shape it stands for
 
     def shard_size(self, size: int) -> int:
         return math.ceil(size / self.replicas)
@@ -120,19 +120,14 @@ def _mark_when_requested(original, self, *args, **kwargs):
 
 @patch.replaces(BaseOptimizer, "build", ("self", "variables"))
 def _lay_out_shards(original, self, variables):
-    """A marked optimizer under N > 1 replicas builds per-replica shards; else Keras' build."""
+    """A marked optimizer under N > 1 replicas builds per-replica shards of its slots; else Keras' build."""
     strategy = getattr(self, "_distribution_strategy", None)
     replicas = strategy.num_replicas_in_sync if strategy is not None else 1
     if self.built or not getattr(self, "_tfdist_shard_state", False) or replicas <= 1:
         return original(self, variables)
     check(self)
-    layout = _Layout(replicas)
-    for variable in variables:
-        layout.weights[id(variable)] = _shard_variable(self, variable, "shard", "zeros", layout, track=False)
-    self._tfdist_layout = layout
+    self._tfdist_layout = _Layout(replicas)
     original(self, variables)
-    for i, variable in enumerate(variables):
-        layout.shard_index[self._var_key(layout.weights[id(variable)])] = i
 
 
 @patch.replaces(TFOptimizer, "add_variable_from_reference", ("self", "reference_variable", "name", "initializer"))
@@ -141,35 +136,48 @@ def _shard_of_a_slot(original, self, reference_variable, name=None, initializer=
     layout = getattr(self, "_tfdist_layout", None)
     if layout is None:
         return original(self, reference_variable, name, initializer)
-    return _shard_variable(self, reference_variable, name or "var", initializer, layout, track=True)
-
-
-def _shard_variable(optimizer, reference, name: str, initializer, layout: _Layout, track: bool):
-    shape = tuple(int(d) for d in reference.shape)
+    shape = tuple(int(d) for d in reference_variable.shape)
     size = int(np.prod(shape, dtype=np.int64))
-    prefix = reference.path.replace("/", "_") if hasattr(reference, "path") else str(reference.name)
-    colocate = reference.value if isinstance(reference, backend.Variable) else reference
-    with optimizer._distribution_strategy.extended.colocate_vars_with(colocate), \
-            backend.name_scope(optimizer.name, caller=optimizer):
+    prefix = (reference_variable.path.replace("/", "_") if hasattr(reference_variable, "path")
+              else str(reference_variable.name))
+    colocate = reference_variable.value if isinstance(reference_variable, backend.Variable) else reference_variable
+    with self._distribution_strategy.extended.colocate_vars_with(colocate), backend.name_scope(self.name, caller=self):
         variable = backend.Variable(
-            initializer=optimizers.base_optimizer.initializers.get(initializer), shape=(layout.shard_size(size),),
-            dtype=reference.dtype, trainable=False, aggregation="none", synchronization="on_read",
-            name=f"{prefix}_{name}")
-    if track:
-        optimizer._track_variable(variable)
-        layout.slots[id(variable)] = _Slot(shape, size)
+            initializer=initializers.get(initializer), shape=(layout.shard_size(size),), dtype=reference_variable.dtype,
+            trainable=False, aggregation="none", synchronization="on_read", name=f"{prefix}_{name or 'var'}")
+    self._track_variable(variable)
+    layout.slots[id(variable)] = _Slot(shape, size)
     return variable
+
+
+class _Shard:
+    """This replica's shard of a weight, as ``update_step`` sees it: read as a tensor, assigned functionally.
+
+    No variable holds it (that would cost 1/N of the weights): the optimizer's update of the shard
+    is a tensor, which the all-gather then writes into every replica's weight.
+    """
+
+    def __init__(self, value: tf.Tensor, index: int):
+        self.value, self.index, self.dtype, self.shape = value, index, value.dtype, value.shape
+
+    def assign(self, value):
+        self.value = tf.cast(value, self.dtype)
+
+    def assign_add(self, value):
+        self.value = self.value + tf.cast(value, self.dtype)
+
+    def assign_sub(self, value):
+        self.value = self.value - tf.cast(value, self.dtype)
+
+
+tf.register_tensor_conversion_function(
+    _Shard, lambda shard, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(shard.value, dtype=dtype))
 
 
 @patch.replaces(BaseOptimizer, "_get_variable_index", ("self", "variable"))
 def _index_of_a_shard(original, self, variable):
-    """The shard of a weight has the weight's index (``update_step`` finds its slots by it)."""
-    layout = getattr(self, "_tfdist_layout", None)
-    if layout is not None:
-        index = layout.shard_index.get(self._var_key(variable))
-        if index is not None:
-            return index
-    return original(self, variable)
+    """A weight's shard has the weight's index (``update_step`` finds its slots by it)."""
+    return variable.index if isinstance(variable, _Shard) else original(self, variable)
 
 
 @patch.replaces(TFOptimizer, "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"))
@@ -186,55 +194,83 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
     trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
     reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
     replica = context.replica_id_in_sync_group
-    shards = []
-    for gradient, variable in zip(reduced, trainable_variables):
-        shard = layout.weights[id(_keras_variable(self, variable))]
-        shard.assign(_my_shard(variable, replica, layout))
-        self.update_step(_my_shard(gradient, replica, layout), shard, learning_rate)
-        shards.append(shard)
-    whole = _gather_shards(context, shards, trainable_variables, layout)
-
-    def assign(strategy, values):
-        for variable, value in zip(trainable_variables, values):
-            strategy.extended.update(variable, lambda v, x: v.assign(x), args=(value,), group=False)
-
-    context.merge_call(assign, args=(whole,))
-
-
-def _keras_variable(optimizer, variable):
-    """The Keras variable the optimizer was built on, for a tf.Variable (``_backend_update_step`` gets those)."""
-    return optimizer._trainable_variables[optimizer._get_variable_index(variable)]
+    gradients = [_my_shard(g, replica, layout) for g in reduced]  # sliced as they come: the sums are freed
+    written = list(gradients)
+    # Last layers first, as their gradients are reduced (tfdist.buckets). A group is sliced, updated,
+    # gathered and written after the previous one is written: a step holds one group's shards and
+    # gathered weights at a time, not the model's.
+    for group in reversed(_gather_groups(trainable_variables, layout)):
+        with tf.control_dependencies(written):
+            shards = []
+            for i in group:
+                shard = _Shard(_my_shard(trainable_variables[i], replica, layout), self._get_variable_index(
+                    trainable_variables[i]))
+                self.update_step(gradients[i], shard, learning_rate)
+                shards.append(shard.value)
+            written = _gather_into_weights(context, shards, [trainable_variables[i] for i in group], layout)
 
 
 def _my_shard(tensor, replica, layout: _Layout) -> tf.Tensor:
-    """Replica ``replica``'s ``ceil(size / N)`` elements of ``tensor``, flattened (zeros past its end)."""
+    """Replica ``replica``'s ``ceil(size / N)`` elements of ``tensor``, flattened (zeros past its end).
+
+    Copies only the shard: no whole-size padded copy of the weight or gradient.
+    """
     if isinstance(tensor, tf.IndexedSlices):
         tensor = tf.convert_to_tensor(tensor)
     flat = tf.reshape(tensor, [-1])
     size = int(flat.shape[0])
     shard = layout.shard_size(size)
-    flat = tf.pad(flat, [[0, shard * layout.replicas - size]])
-    return tf.gather(tf.reshape(flat, [layout.replicas, shard]), replica)
+    if shard * layout.replicas == size:
+        return tf.gather(tf.reshape(flat, [layout.replicas, shard]), replica)
+    start = tf.minimum(tf.cast(replica, tf.int32) * shard, size)
+    piece = tf.slice(flat, [start], [tf.minimum(shard, size - start)])
+    return tf.ensure_shape(tf.pad(piece, [[0, shard - tf.shape(piece)[0]]]), [shard])
 
 
-def _gather_shards(context, shards, variables, layout: _Layout) -> list[tf.Tensor]:
-    """Every replica's updated shards, put back into whole weights: one all-gather per dtype."""
-    whole: list[tf.Tensor | None] = [None] * len(variables)
-    by_dtype: dict[tf.DType, list[int]] = {}
+def _gather_groups(variables, layout: _Layout) -> list[list[int]]:
+    """Weights in groups of one dtype and up to ``GATHER_BYTES`` (whole weights), gathered together.
+
+    Bounds what a step holds beyond the weights: one group's gathered copy at a time, not the model's.
+    """
+    groups: list[list[int]] = []
+    open_group: dict[tf.DType, tuple[list[int], int]] = {}
     for i, variable in enumerate(variables):
-        by_dtype.setdefault(variable.dtype.base_dtype, []).append(i)
-    for indices in by_dtype.values():
-        local = tf.concat([tf.reshape(shards[i].value, [-1]) for i in indices], axis=0)
-        gathered = tf.reshape(context.all_gather(local, axis=0), [layout.replicas, -1])
-        offset = 0
-        for i in indices:
-            shape = variables[i].shape
-            size = int(np.prod(shape, dtype=np.int64))
-            width = layout.shard_size(size)
-            columns = gathered[:, offset:offset + width]
-            whole[i] = tf.reshape(tf.reshape(columns, [-1])[:size], shape)
-            offset += width
-    return whole
+        dtype = variable.dtype.base_dtype
+        nbytes = layout.shard_size(int(np.prod(variable.shape, dtype=np.int64))) * layout.replicas * dtype.size
+        members, total = open_group.get(dtype, ([], 0))
+        if members and total + nbytes > GATHER_BYTES:
+            groups.append(members)
+            members, total = [], 0
+        open_group[dtype] = (members + [i], total + nbytes)
+    groups.extend(members for members, _ in open_group.values())
+    return groups
+
+
+def _gather_into_weights(context, shards, variables, layout: _Layout) -> list:
+    """All-gathers one group's updated shards and writes each whole weight into this replica's copy of it.
+
+    Returns the writes (the next group waits for them).
+
+    Every replica writes the same gathered bits into its own copy, so the copies stay identical
+    without a cross-replica update (``MirroredVariable``'s per-device component, as TensorFlow's
+    own per-device updates write it).
+    """
+    gathered = context.all_gather(shards[0] if len(shards) == 1 else tf.concat(shards, axis=0), axis=0)
+    if len(shards) > 1:
+        gathered = tf.reshape(gathered, [layout.replicas, -1])
+    offset, writes = 0, []
+    for shard, variable in zip(shards, variables):
+        size = int(np.prod(variable.shape, dtype=np.int64))
+        width = int(shard.shape[0])
+        flat = gathered if len(shards) == 1 else tf.reshape(gathered[:, offset:offset + width], [-1])
+        writes.append(_this_replicas_copy(variable).assign(tf.reshape(flat[:size], variable.shape)))
+        offset += width
+    return writes
+
+
+def _this_replicas_copy(variable):
+    """The component of a distributed variable that the current replica reads."""
+    return variable._get_on_device_or_primary() if hasattr(variable, "_get_on_device_or_primary") else variable
 
 
 @patch.replaces(BaseOptimizer, "save_own_variables", ("self", "store"))
