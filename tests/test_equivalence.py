@@ -24,16 +24,16 @@ def test_the_pairwise_subset_is_deterministic_small_and_covers_every_pair():
 
 
 def test_rules_exclude_nonsense_with_a_reason():
-    cell = Cell.parse("fit/adam/float32/0/none/uneven_worker/dense")
+    cell = Cell.parse("fit/adam/float32/0/none/uneven_worker/dense/whole")
     assert "no worker that runs out alone" in matrix.exclusion(cell)
     assert cell not in matrix.full_product()
-    assert matrix.exclusion(Cell.parse("hvd_fit/adam/float32/0/none/uneven_worker/dense")) is None
+    assert matrix.exclusion(Cell.parse("hvd_fit/adam/float32/0/none/uneven_worker/dense/whole")) is None
 
 
 @pytest.mark.parametrize("name, message", [
-    ("fit/adam", r"A cell name has 7 parts \(mode/optimizer/precision/buckets/wire/batches/inputs\); "
+    ("fit/adam", r"A cell name has 8 parts \(mode/optimizer/precision/buckets/wire/batches/inputs/state\); "
                  r"received 'fit/adam'"),
-    ("fit/adamw/float32/0/none/even/dense", r"Unknown optimizer 'adamw' in cell .*; choose one of \['sgd_momentum'"),
+    ("fit/adamw/float32/0/none/even/dense/whole", r"Unknown optimizer 'adamw' in cell .*; choose one of \['sgd_momentum'"),
 ])
 def test_a_bad_cell_name_is_named(name, message):
     with pytest.raises(ValueError, match=message):
@@ -55,7 +55,7 @@ def _record(**changes):
     return {**record, **changes}
 
 
-CELL = Cell.parse("hvd_fit/loss_scale/float32/0/none/even/dense")
+CELL = Cell.parse("hvd_fit/loss_scale/float32/0/none/even/dense/whole")
 
 
 @pytest.mark.parametrize("rank1, rank0, detail", [
@@ -95,14 +95,14 @@ def test_a_cell_keras_cannot_train_on_one_device_is_listed_apart():
 def test_no_cell_is_a_known_failure_any_more():
     """Issue 43: fit's partial splits weigh as one device; the list stays empty (docs/equivalence.md)."""
     assert matrix.KNOWN_FAILURES == []
-    verdict = matrix.judge(Cell.parse("fit/adam/float32/0/none/partial_split/dense"), {0: _record(difference=0.1)})
+    verdict = matrix.judge(Cell.parse("fit/adam/float32/0/none/partial_split/dense/whole"), {0: _record(difference=0.1)})
     assert verdict.outcome == "fail"
 
 
 def test_a_known_failure_is_listed_apart_with_its_cause(monkeypatch):
     monkeypatch.setattr(matrix, "KNOWN_FAILURES", [(lambda c: c.batches == "partial_split", "a cause not fixed yet")])
-    cell = Cell.parse("fit/adam/float32/0/none/partial_split/dense")
+    cell = Cell.parse("fit/adam/float32/0/none/partial_split/dense/whole")
     verdict = matrix.judge(cell, {0: _record(difference=0.1)})
     assert verdict.outcome == "known failure" and "a cause not fixed yet" in verdict.detail
     assert matrix.judge(cell, {0: _record()}).outcome == "pass"
-    assert matrix.known_failure(Cell.parse("fit/adam/float32/0/none/even/dense")) is None
+    assert matrix.known_failure(Cell.parse("fit/adam/float32/0/none/even/dense/whole")) is None

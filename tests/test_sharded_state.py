@@ -228,3 +228,23 @@ def test_distributed_optimizer_and_the_environment_turn_it_on_and_a_scope_turns_
     for each in (model, by_environment, off):
         each.fit(X, Y, batch_size=GLOBAL, epochs=1, verbose=0)
     assert [sharded_state.is_sharded(m.optimizer) for m in (model, by_environment, off)] == [True, True, False]
+
+
+def test_tfdists_callbacks_broadcast_and_correct_momentum_without_touching_the_shards_wrongly():
+    """BroadcastGlobalVariablesCallback skips the shards (they differ by design; reading one whole raised
+    Keras' "Could not convert ... NONE"); LearningRateScheduleCallback(momentum_correction=True) scales each
+    replica's shard of the momentum."""
+    def callbacks():
+        return [tfdist.callbacks.BroadcastGlobalVariablesCallback(0),
+                tfdist.callbacks.LearningRateScheduleCallback(0.05, lambda epoch: 0.5 ** epoch, momentum_correction=True)]
+
+    def sgd():
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+
+    one = compiled(sgd)
+    one.fit(X, Y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0, callbacks=callbacks())
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
+        two = compiled(sgd)
+    two.fit(X, Y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0, callbacks=callbacks())
+    assert sharded_state.is_sharded(two.optimizer)
+    assert_trains_as_one_device(one, two)

@@ -26,6 +26,7 @@ import keras
 import numpy as np
 
 from tfdist import collectives, ranks
+from tfdist.keras_fixes import sharded_state
 
 ModelCheckpoint = keras.callbacks.ModelCheckpoint
 BackupAndRestore = keras.callbacks.BackupAndRestore
@@ -64,8 +65,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         """Broadcasts now: the model's weights and, once built, the optimizer's variables."""
         variables = list(self.model.weights)
         optimizer = self.model.optimizer
-        if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
+        if optimizer is not None and optimizer.built:  # a sharded optimizer's shards differ by design
+            variables += sharded_state.replicated_variables(optimizer)
         values = collectives.broadcast_arrays([np.asarray(v.numpy()) for v in variables], self.root_rank)
         for variable, value in zip(variables, values):
             variable.assign(value)
@@ -176,7 +177,8 @@ def _correct_momentum(optimizer, old_lr: float, new_lr: float) -> None:
         return
     ratio = new_lr / old_lr
     for buffer in buffers:
-        buffer.assign(buffer * ratio)
+        for copy in sharded_state.each_copy(buffer):  # each replica's shard when the state is sharded
+            copy.assign(copy * ratio)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):

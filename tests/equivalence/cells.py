@@ -19,6 +19,7 @@ import tensorflow as tf
 import tfdist
 from tests.equivalence import matrix
 from tests.equivalence.matrix import Cell
+from tfdist import sharding
 
 GLOBAL_BATCH = 8
 NUM_BATCHES = 4
@@ -99,7 +100,8 @@ def distribute_optimizer(cell: Cell, optimizer):
     import tfdist.horovod as hvd
 
     if cell.mode == "hvd_fit":
-        return hvd.DistributedOptimizer(optimizer, compression=_compression(cell))
+        return hvd.DistributedOptimizer(optimizer, compression=_compression(cell),
+                                        shard_optimizer_state=cell.state == "sharded")
     if cell.mode.startswith("hvd_tape"):
         return optimizer
     if cell.mode == "fit" and cell.wire == "none":
@@ -168,7 +170,7 @@ def train_reference(cell: Cell, initial, x, y, w, sizes):
 def train_mirrored(cell: Cell, strategy, initial, x, y, w):
     """fit or a custom loop on ``strategy``; tf.data splits each global batch over the replicas."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(GLOBAL_BATCH)
-    with strategy.scope():
+    with strategy.scope(), sharding.scoped(cell.state == "sharded"):  # what tfdist.scope(shard_optimizer_state=) sets
         model = build_model(cell)
         model.set_weights(initial)
         optimizer = distribute_optimizer(cell, make_optimizer(cell))

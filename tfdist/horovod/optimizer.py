@@ -302,8 +302,6 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
             disagrees with the optimizer's own ``gradient_accumulation_steps``.
         ShardingError: ``shard_optimizer_state`` asked for.
     """
-    if sharding.check(shard_optimizer_state):
-        raise ShardingError(sharded_state.HOROVOD_REFUSAL)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(f"tfdist.horovod.DistributedOptimizer wraps Keras optimizers; received the TF1 optimizer "
                         f"{type(optimizer).__name__}. Use a Keras one, e.g. tf.optimizers.SGD(lr) or "
@@ -313,6 +311,8 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
                         f"{optimizer!r}.")
     optimizer_lib.check_one_optimizer(optimizer, "hvd.DistributedOptimizer")
     optimizer_lib.check_backward_passes(backward_passes_per_step)
+    if sharding.check(shard_optimizer_state):
+        raise ShardingError(sharded_state.HOROVOD_REFUSAL)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # reduce in the inner optimizer
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, compression=compression, sparse_as_dense=sparse_as_dense,

@@ -333,6 +333,24 @@ def gather_slots(optimizer) -> dict[int, np.ndarray]:
     return result
 
 
+def replicated_variables(optimizer) -> list:
+    """``optimizer.variables`` that every replica holds whole (its step count, learning rate), not the shards."""
+    if isinstance(optimizer, optimizers.LossScaleOptimizer):
+        return [v for v in optimizer.variables if not _is_shard(optimizer.inner_optimizer, v)]
+    return [v for v in optimizer.variables if not _is_shard(optimizer, v)]
+
+
+def _is_shard(optimizer, variable) -> bool:
+    layout = getattr(optimizer, "_tfdist_layout", None)
+    return layout is not None and id(variable) in layout.slots
+
+
+def each_copy(variable) -> tuple:
+    """Every local replica's copy of ``variable`` (its shard, for a sharded slot), to read or assign one by one."""
+    value = variable.value if isinstance(variable, backend.Variable) else variable
+    return tuple(getattr(value, "values", (value,)))
+
+
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state one replica holds: one replica's copy of every variable in ``optimizer.variables``."""
     total = 0
