@@ -5,9 +5,10 @@ of Adam moments) at a small batch. Each round runs two ``tfdist run -n N`` jobs,
 alternating order, and prints per worker:
 
 * the optimizer state one replica holds (``tfdist.optimizer_state_bytes``),
-* the peak resident memory of the worker process (``ru_maxrss`` at the end of ``fit``) and the most
+* the peak resident memory of the worker process (``ru_maxrss`` when ``fit`` returns) and the most
   bytes TensorFlow's allocator held at once (its BFC allocator's peak: tensors and variables), and
-* ms/step over the last half of the steps;
+* ms/step over the last half of the steps, and the seconds a ``save_weights`` takes (a sharded save
+  gathers the slots: what a preemption's grace period must hold);
 
 then the peak memory saved as a fraction of the whole optimizer state (the goal: >= 40% at 2 workers)
 and the sharded/whole step-time ratio. ``--devices N`` does the same in one process over N logical CPUs.
@@ -59,12 +60,19 @@ def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: i
     model.fit(x, x, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[Clock()])
     half = times[len(times) // 2:]
     rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
+    peak_rss, peak_tensors = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _peak_tensor_bytes(tf)
+    start = time.perf_counter()  # every worker saves (a sharded save gathers the slots), each to its own file
+    model.save_weights(f"{out}.{rank}.weights.h5")
+    save_seconds = time.perf_counter() - start
+    os.remove(f"{out}.{rank}.weights.h5")
     pathlib.Path(f"{out}.{rank}").write_text(json.dumps({
         "state_bytes": tfdist.optimizer_state_bytes(model.optimizer),
         "whole_state_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) * 2,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_tensor_bytes": _peak_tensor_bytes(tf),
+        "peak_rss_bytes": peak_rss,  # training's peak; the save's own is below
+        "peak_tensor_bytes": peak_tensors,
+        "peak_rss_after_save_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "ms_per_step": 1000 * (half[-1] - half[0]) / (len(half) - 1),
+        "save_seconds": save_seconds,
         "replicas": strategy.num_replicas_in_sync}))
 
 
@@ -86,7 +94,7 @@ def run(shard: bool, args) -> list[dict]:
         command = job if devices else [sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", "1200",
                                        "--", *job]
         subprocess.run(command, env=env, check=True, capture_output=True)
-        return [json.loads(path.read_text()) for path in sorted(pathlib.Path(tmp).glob("result.*"))]
+        return [json.loads(path.read_text()) for path in sorted(pathlib.Path(tmp).glob("result.[0-9]"))]
 
 
 def main() -> None:
@@ -121,7 +129,10 @@ def main() -> None:
                   f"{off['peak_rss_bytes'] / 2**20:.0f} MB: saved {saved[-1]:.2f} of the whole state"
                   + (f" (TensorFlow's peak tensor bytes: saved {tensors_saved[-1]:.2f})" if tensors_saved else "")
                   + "; "
-                  f"{on['ms_per_step']:.1f} / {off['ms_per_step']:.1f} ms/step ({ratios[-1]:.3f})", flush=True)
+                  f"{on['ms_per_step']:.1f} / {off['ms_per_step']:.1f} ms/step ({ratios[-1]:.3f})"
+                  + f"; save_weights {on['save_seconds']:.2f} s / {off['save_seconds']:.2f} s, peak RSS after it "
+                  f"{on['peak_rss_after_save_bytes'] / 2**20:.0f} MB / {off['peak_rss_after_save_bytes'] / 2**20:.0f} MB",
+                  flush=True)
     if tensors_saved:
         print(f"peak tensor bytes saved, as a fraction of the whole optimizer state: median "
               f"{statistics.median(tensors_saved):.2f} (min {min(tensors_saved):.2f}, max {max(tensors_saved):.2f})")

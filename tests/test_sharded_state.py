@@ -124,6 +124,47 @@ def test_mixed_float16_sharded_equals_unsharded_on_the_same_replicas():
     assert float(sharded.optimizer.dynamic_scale.numpy()) == float(whole.optimizer.dynamic_scale.numpy())
 
 
+def test_mixed_float16_sharded_saves_and_loads_through_its_loss_scale_optimizer(tmp_path):
+    """Keras' LossScaleOptimizer saves its inner optimizer's slots among its own: they are saved whole too."""
+    whole = train(lambda: keras.optimizers.Adam(0.01), 2, shard=False, policy="mixed_float16")
+    sharded = train(lambda: keras.optimizers.Adam(0.01), 2, policy="mixed_float16")
+    whole.save_weights(tmp_path / "whole.weights.h5")
+    sharded.save_weights(tmp_path / "sharded.weights.h5")
+    with h5py.File(tmp_path / "whole.weights.h5") as w, h5py.File(tmp_path / "sharded.weights.h5") as s:
+        assert len(w["optimizer/vars"]) == len(s["optimizer/vars"])
+        for key in w["optimizer/vars"]:
+            np.testing.assert_array_equal(s["optimizer/vars"][key][()], w["optimizer/vars"][key][()])
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
+        again = compiled(lambda: keras.optimizers.Adam(0.01))
+    again.fit(X[:GLOBAL], Y[:GLOBAL], batch_size=GLOBAL, epochs=1, verbose=0)  # builds its optimizer
+    again.load_weights(tmp_path / "whole.weights.h5")
+    for got, want in zip(again.optimizer.variables, whole.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())  # a shard's numpy() is the whole slot
+
+
+def test_a_tf_train_checkpoint_holds_whole_slots_and_a_saved_model_is_refused(tmp_path):
+    """A custom loop's tf.train.Checkpoint writes each slot whole (one device restores it) and restores it into
+    shards; tf.saved_model.save, whose graph would hold shards, is a ShardingError naming what to use."""
+    one = train(OPTIMIZERS["adam"], 1, epochs=1)
+    two = train(OPTIMIZERS["adam"], 2, epochs=1)
+    path = tf.train.Checkpoint(model=two, optimizer=two.optimizer).write(str(tmp_path / "ckpt"))
+    plain = compiled(OPTIMIZERS["adam"])
+    plain.optimizer.build(plain.trainable_variables)
+    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).assert_consumed()
+    for got, want in zip(plain.optimizer.variables, one.optimizer.variables):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
+        again = compiled(OPTIMIZERS["adam"])
+        again.optimizer.build(again.trainable_variables)
+    tf.train.Checkpoint(model=again, optimizer=again.optimizer).read(path).assert_consumed()
+    for model in (one, again):
+        model.fit(X, Y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0)
+    assert_trains_as_one_device(one, again)
+    with pytest.raises(tfdist.ShardingError, match=r"a SavedModel \(tf.saved_model.save\) or a checkpoint saved "
+                                                   r"inside a tf.function cannot hold them"):
+        tf.saved_model.save(two, str(tmp_path / "saved_model"))
+
+
 def test_a_custom_loop_applies_sharded_gradients_inside_strategy_run():
     one = compiled(OPTIMIZERS["adam"])
     with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True) as strategy:

@@ -64,6 +64,16 @@ def test_their_checkpoint_loads_in_plain_keras_and_three_sharded_workers_resume_
     assert_workers_equal_one_device(resumed.results, one_device(common.SHARDED_EPOCHS + 1), 3)
 
 
+def test_a_save_on_the_chief_alone_is_an_error_naming_the_workers_that_did_not_save(tmp_path):
+    """A Horovod habit (``if rank == 0: model.save(...)``) would wait forever in the gather of the slots."""
+    job = run_job("sharded_state_job.py", tmp_path, "chief_saves", timeout=240).check()
+    assert job.results[1]["error"] is None
+    assert ("reads or saves the sharded optimizer state of sequential (saving it) whole" in job.results[0]["error"]
+            and "but worker(s) [1] did not within 3 s. Call model.save / save_weights / checkpoint.save on every "
+                "worker" in job.results[0]["error"]), job.results[0]["error"]
+    assert not (tmp_path / "model.keras").exists()  # refused before the file was opened
+
+
 def test_a_preempted_sharded_job_saves_at_the_agreed_step_and_resumes_exactly(tmp_path, uninterrupted):  # noqa: F811
     result = run_job("preempt_job.py", tmp_path, "worker", timeout=300, env={sharding.ENV: "1"},
                      launcher_args=(*GRACE, "--max-restarts", "1")).check()

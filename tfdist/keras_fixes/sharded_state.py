@@ -14,9 +14,12 @@ built under a strategy of N > 1 replicas (local devices or workers) shards its s
   shard is a tensor assigned functionally, ``_Shard``: no variable holds it), and the updated shards
   are all-gathered, a group of weights of up to ``GATHER_BYTES`` at a time, into every replica's copy
   of each weight, so every copy stays bit-identical;
-* ``save_own_variables`` gathers each slot into its whole shape, so a sharded optimizer saves the
-  standard Keras checkpoint (plain Keras loads it on one device); ``load_own_variables`` takes a
-  whole slot (from any number of replicas, or none) and keeps this replica's shard.
+* saving: each slot is a ``_ShardSlot``, which ``save_own_variables``, ``numpy()`` and an eager
+  ``tf.train.Checkpoint`` read whole (gathered from every replica, one slot at a time), so a sharded
+  optimizer writes the checkpoint of an unsharded one (plain Keras loads it on one device); loading a
+  whole slot (saved by any number of replicas, or none) keeps this replica's shard. Under several
+  workers a save gathers from every worker, so every worker must save (tfdist's ModelCheckpoint and
+  BackupAndRestore do; a save on the chief alone is a ShardingError before the file is opened).
 
 Only optimizers whose update is element-wise can be sharded exactly (``SHARDABLE``); Lamb (a
 per-weight trust ratio), Adafactor (factored moments), Muon (whole matrices) and any other class
@@ -25,16 +28,19 @@ are refused with an error naming them, as are ``use_ema`` and gradient accumulat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import time
 
 import numpy as np
 import tensorflow as tf
 from keras.src import backend, initializers, optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.optimizers.base_optimizer import BaseOptimizer
+from keras.src.saving import saving_lib
 
-from tfdist import sharding
+from tfdist import kvstore, process_group, sharding
 from tfdist.errors import ShardingError
 from tfdist.patching import Patch
 
@@ -55,11 +61,10 @@ class _Slot:
 
 
 class _Layout:
-    """How many replicas share the state, and the whole shape of each slot: not a trackable (Keras must not save it)."""
+    """How many replicas share the state: not a trackable (Keras must not save it)."""
 
     def __init__(self, replicas: int):
         self.replicas = replicas
-        self.slots: dict[int, _Slot] = {}  # id(slot variable) -> the whole shape it stands for
 
     def shard_size(self, size: int) -> int:
         return math.ceil(size / self.replicas)
@@ -142,11 +147,12 @@ def _shard_of_a_slot(original, self, reference_variable, name=None, initializer=
               else str(reference_variable.name))
     colocate = reference_variable.value if isinstance(reference_variable, backend.Variable) else reference_variable
     with self._distribution_strategy.extended.colocate_vars_with(colocate), backend.name_scope(self.name, caller=self):
-        variable = backend.Variable(
+        variable = _ShardSlot(
             initializer=initializers.get(initializer), shape=(layout.shard_size(size),), dtype=reference_variable.dtype,
             trainable=False, aggregation="none", synchronization="on_read", name=f"{prefix}_{name or 'var'}")
+    variable._tfdist_slot, variable._tfdist_layout = _Slot(shape, size), layout
+    variable._tfdist_strategy = self._distribution_strategy
     self._track_variable(variable)
-    layout.slots[id(variable)] = _Slot(shape, size)
     return variable
 
 
@@ -273,38 +279,141 @@ def _this_replicas_copy(variable):
     return variable._get_on_device_or_primary() if hasattr(variable, "_get_on_device_or_primary") else variable
 
 
+class _ShardSlot(backend.Variable):
+    """A slot of a sharded optimizer: this replica's shard, which reads and saves as the whole slot.
+
+    ``numpy()`` and a ``tf.train.Checkpoint`` give the whole slot (gathered from every replica: under
+    several workers every worker must read or save it, as every worker must call a save); restoring
+    a whole slot keeps each replica's shard. SavedModel cannot hold it (its graph would hold the shard).
+    """
+
+    def whole(self) -> np.ndarray:
+        """The whole slot, in the reference weight's shape (a collective under several workers)."""
+        strategy, slot = self._tfdist_strategy, self._tfdist_slot
+        _every_worker_gathers(strategy, self.name)
+        gathered = strategy.gather(strategy.run(lambda: tf.identity(self.value)), axis=0)
+        return gathered[:slot.size].numpy().reshape(slot.shape)
+
+    def assign_whole(self, value) -> None:
+        """Keeps each local replica's shard of ``value``, a whole slot."""
+        slot, layout, strategy = self._tfdist_slot, self._tfdist_layout, self._tfdist_strategy
+        value = np.asarray(value)
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"The optimizer slot {self.path} is {slot.shape} (sharded over {layout.replicas} "
+                             f"replicas); received a value of {tuple(value.shape)}: it was saved for another model.")
+        rows = _rows(value, layout)
+        replica_ids = strategy.experimental_local_results(
+            strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))
+        for replica, component in zip(replica_ids, strategy.experimental_local_results(self.value)):
+            component.assign(rows[int(replica)])
+
+    def numpy(self):
+        return self.whole()
+
+    def __array__(self, dtype=None):
+        return np.asarray(self.whole(), dtype=dtype)
+
+    def _serialize_to_tensors(self):
+        if not tf.executing_eagerly():
+            raise ShardingError(_NOT_IN_A_GRAPH)
+        return {"VARIABLE_VALUE": tf.constant(self.whole())}
+
+    def _restore_from_tensors(self, restored_tensors):
+        if not tf.executing_eagerly():
+            raise ShardingError(_NOT_IN_A_GRAPH)
+        self.assign_whole(restored_tensors["VARIABLE_VALUE"].numpy())
+        return self.value
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        raise ShardingError(_NOT_IN_A_GRAPH)
+
+
+_NOT_IN_A_GRAPH = (
+    "A sharded optimizer's slots are saved whole by Keras (model.save, save_weights, ModelCheckpoint, "
+    "BackupAndRestore) and by an eager tf.train.Checkpoint; a SavedModel (tf.saved_model.save) or a checkpoint "
+    "saved inside a tf.function cannot hold them. Save the model with model.save('model.keras') (or export it "
+    "for serving with model.export(), which holds no optimizer), or train with shard_optimizer_state=False.")
+GATHER_AGREEMENT_S = 120.0  # how long a worker's gather of a slot waits for every other worker to gather too
+_gathers = [0]  # this process's gathers of whole slots so far: the same count on every worker
+_agreed = [False]  # inside a save every worker agreed to: its gathers need no agreement of their own
+
+
+def _every_worker_gathers(strategy, name: str) -> None:
+    """Under several workers, waits until every worker gathers this slot; a ShardingError names who did not.
+
+    A save on the chief alone (``if rank == 0: model.save(...)``) would otherwise wait in the
+    gather for the other workers forever.
+    """
+    if _agreed[0] or not process_group.is_multi_worker(strategy) or not kvstore.available():
+        return
+    _gathers[0] += 1
+    rank, size = process_group.worker_rank(strategy), process_group.num_workers(strategy)
+    prefix = f"tfdist/sharded_state/gather/{_gathers[0]}"
+    kvstore.put(f"{prefix}/{rank}", name)
+    deadline = time.monotonic() + GATHER_AGREEMENT_S
+    missing = [r for r in range(size) if r != rank and kvstore.wait_for(f"{prefix}/{r}", deadline) is None]
+    if missing:
+        raise ShardingError(
+            f"Worker {rank} reads or saves the sharded optimizer state of {name} whole, which gathers it from every "
+            f"worker, but worker(s) {missing} did not within {GATHER_AGREEMENT_S:g} s. Call model.save / "
+            "save_weights / checkpoint.save on every worker (tfdist keeps the chief's file; its ModelCheckpoint and "
+            "BackupAndRestore do so), not only on the chief.")
+
+
+@patch.replaces(saving_lib, "save_model", ("model", "filepath", "weights_format", "zipped"))
+def _agree_before_writing_a_model(original, model, filepath, *args, **kwargs):
+    """A save of a model with sharded state first waits for every worker to save: a save on the chief alone is a
+    ShardingError before the file is opened (a file it replaced would be left half written)."""
+    with _every_worker_saves(model):
+        return original(model, filepath, *args, **kwargs)
+
+
+@patch.replaces(saving_lib, "save_weights_only", ("model", "filepath", "max_shard_size", "objects_to_skip"))
+def _agree_before_writing_weights(original, model, filepath, *args, **kwargs):
+    """``save_weights``: as ``_agree_before_writing_a_model``."""
+    with _every_worker_saves(model):
+        return original(model, filepath, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _every_worker_saves(model):
+    """Agrees once for the whole save (its slots' gathers then need no agreement of their own)."""
+    optimizer = getattr(model, "optimizer", None)
+    slots = [v for v in getattr(optimizer, "variables", ()) if isinstance(v, _ShardSlot)]
+    if not slots or _agreed[0]:
+        yield
+        return
+    _every_worker_gathers(slots[0]._tfdist_strategy, f"{model.name} (saving it)")
+    _agreed[0] = True
+    try:
+        yield
+    finally:
+        _agreed[0] = False
+
+
 @patch.replaces(BaseOptimizer, "save_own_variables", ("self", "store"))
 def _save_whole_slots(original, self, store):
-    """Each sharded slot is saved whole (gathered from every replica): the checkpoint of an unsharded optimizer."""
-    layout = getattr(self, "_tfdist_layout", None)
-    if layout is None:
+    """Each sharded slot is saved whole, one at a time: the checkpoint of an unsharded optimizer.
+
+    A LossScaleOptimizer saves its inner optimizer's slots among its own variables: each is known
+    by its class, whichever optimizer saves it.
+    """
+    if not any(isinstance(v, _ShardSlot) for v in self.variables):
         return original(self, store)
-    whole = gather_slots(self)
     for i, variable in enumerate(self.variables):
-        store[str(i)] = whole[id(variable)] if id(variable) in whole else variable.numpy()
+        store[str(i)] = variable.whole() if isinstance(variable, _ShardSlot) else variable.numpy()
 
 
 @patch.replaces(BaseOptimizer, "load_own_variables", ("self", "store"))
 def _load_my_shards(original, self, store):
     """Whole slots (as any optimizer of the class saves them) are loaded; each replica keeps its shard."""
-    layout = getattr(self, "_tfdist_layout", None)
-    if layout is None or len(store.keys()) != len(self.variables):
-        return original(self, store)
-    strategy = self._distribution_strategy
-    replica_ids = [int(r) for r in strategy.experimental_local_results(
-        strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))]
+    if not any(isinstance(v, _ShardSlot) for v in self.variables) or len(store.keys()) != len(self.variables):
+        return original(self, store)  # Keras warns and skips a store of another optimizer
     for i, variable in enumerate(self.variables):
-        value = store[str(i)]
-        slot = layout.slots.get(id(variable))
-        if slot is None:
-            variable.assign(value)
-            continue
-        if tuple(np.shape(value)) != slot.shape:
-            raise ValueError(f"{self.name}'s slot {variable.name} is {slot.shape}; the checkpoint holds "
-                             f"{tuple(np.shape(value))}: it was saved by another model.")
-        rows = _rows(np.asarray(value), layout)
-        for replica, component in zip(replica_ids, strategy.experimental_local_results(variable.value)):
-            component.assign(rows[replica])
+        if isinstance(variable, _ShardSlot):
+            variable.assign_whole(store[str(i)])
+        else:
+            variable.assign(store[str(i)])
 
 
 def _rows(value: np.ndarray, layout: _Layout) -> np.ndarray:
@@ -314,35 +423,9 @@ def _rows(value: np.ndarray, layout: _Layout) -> np.ndarray:
     return np.pad(flat, (0, shard * layout.replicas - flat.size)).reshape(layout.replicas, shard)
 
 
-def gather_slots(optimizer) -> dict[int, np.ndarray]:
-    """id(slot variable) -> the whole slot, gathered from every replica (a collective under several workers)."""
-    layout = optimizer._tfdist_layout
-    strategy = optimizer._distribution_strategy
-    slots = [v for v in optimizer.variables if id(v) in layout.slots]
-    result = {}
-    for dtype in sorted({v.dtype for v in slots}):
-        group = [v for v in slots if v.dtype == dtype]
-        local = tf.function(lambda: tf.concat([tf.reshape(v.value, [-1]) for v in group], axis=0))
-        gathered = strategy.gather(strategy.run(local), axis=0).numpy().reshape(layout.replicas, -1)
-        offset = 0
-        for variable in group:
-            slot = layout.slots[id(variable)]
-            width = layout.shard_size(slot.size)
-            result[id(variable)] = gathered[:, offset:offset + width].reshape(-1)[:slot.size].reshape(slot.shape)
-            offset += width
-    return result
-
-
 def replicated_variables(optimizer) -> list:
     """``optimizer.variables`` that every replica holds whole (its step count, learning rate), not the shards."""
-    if isinstance(optimizer, optimizers.LossScaleOptimizer):
-        return [v for v in optimizer.variables if not _is_shard(optimizer.inner_optimizer, v)]
-    return [v for v in optimizer.variables if not _is_shard(optimizer, v)]
-
-
-def _is_shard(optimizer, variable) -> bool:
-    layout = getattr(optimizer, "_tfdist_layout", None)
-    return layout is not None and id(variable) in layout.slots
+    return [v for v in optimizer.variables if not isinstance(v, _ShardSlot)]
 
 
 def each_copy(variable) -> tuple:
