@@ -104,7 +104,8 @@ def test_early_stopping_and_reduce_lr_go_on_from_the_backup_after_a_restore(mirr
 
 def test_every_patch_is_applied_on_this_keras():
     assert [(p.name, p.applied, p.problem) for p in keras_fixes.PATCHES] == [
-        ("multi_worker_fit", True, None), ("loss_scale", True, None), ("gradient_buckets", True, None),
+        ("multi_worker_fit", True, None), ("loss_scale", True, None), ("sharded_state", True, None),
+        ("gradient_buckets", True, None),
         ("accumulation", True, None),
         ("callbacks", True, None),
         ("replica_state", True, None), ("steps_per_execution", True, None), ("exact_steps_per_execution", True, None),

@@ -10,7 +10,8 @@ import time
 out_dir, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["TFDIST_WORKER_INDEX"])
 attempt = int(os.environ["TFDIST_RESTART"])
-(out_dir / f"pid{rank}.{attempt}").write_text(str(os.getpid()))
+(out_dir / f".pid{rank}.{attempt}.tmp").write_text(str(os.getpid()))  # appears whole: tests read pid* any time
+os.replace(out_dir / f".pid{rank}.{attempt}.tmp", out_dir / f"pid{rank}.{attempt}")
 with open(out_dir / "starts", "a") as starts:  # one line per start (pid files of an attempt overwrite each other)
     starts.write(f"{rank}\n")
 names = ("TF_CONFIG", "TFDIST_WORKER_INDEX", "TFDIST_NUM_WORKERS", "TFDIST_LOCAL_RANK",
