@@ -67,7 +67,6 @@ def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: i
     os.remove(f"{out}.{rank}.weights.h5")
     pathlib.Path(f"{out}.{rank}").write_text(json.dumps({
         "state_bytes": tfdist.optimizer_state_bytes(model.optimizer),
-        "whole_state_bytes": sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables) * 2,
         "peak_rss_bytes": peak_rss,  # training's peak; the save's own is below
         "peak_tensor_bytes": peak_tensors,
         "peak_rss_after_save_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

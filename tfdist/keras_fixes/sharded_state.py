@@ -436,9 +436,5 @@ def each_copy(variable) -> tuple:
 
 def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state one replica holds: one replica's copy of every variable in ``optimizer.variables``."""
-    total = 0
-    for variable in optimizer.variables:
-        value = variable.value
-        component = value.values[0] if hasattr(value, "values") else value
-        total += int(np.prod(component.shape, dtype=np.int64)) * tf.as_dtype(variable.dtype).size
-    return total
+    return sum(int(np.prod(each_copy(v)[0].shape, dtype=np.int64)) * tf.as_dtype(v.dtype).size
+               for v in optimizer.variables)
