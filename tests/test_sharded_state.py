@@ -7,6 +7,7 @@ replicas. What cannot be sharded exactly is refused, naming it. tests/test_shard
 runs worker processes.
 """
 
+import contextlib
 import re
 
 import h5py
@@ -38,6 +39,10 @@ OPTIMIZERS = {
     "nadam": lambda: keras.optimizers.Nadam(0.01),
     "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01),
     "lion": lambda: keras.optimizers.Lion(0.001),
+    # Moving averages are slots too: moved shard by shard, gathered whole to overwrite the weights.
+    "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.9),
+    "sgd_ema_overwrite": lambda: keras.optimizers.SGD(0.05, momentum=0.5, use_ema=True, ema_momentum=0.5,
+                                                      ema_overwrite_frequency=2),
 }
 
 
@@ -78,7 +83,8 @@ def assert_trains_as_one_device(one, many, atol=1e-6):
         assert all(np.array_equal(first, other) for other in others)  # every replica the same bits
 
 
-@pytest.mark.parametrize("name, replicas", [(name, 2) for name in OPTIMIZERS] + [("adam", 4), ("ftrl", 4)])
+@pytest.mark.parametrize("name, replicas", [(name, 2) for name in OPTIMIZERS] + [
+    ("adam", 4), ("ftrl", 4), ("sgd_ema_overwrite", 4)])
 def test_each_optimizer_sharded_trains_as_one_device_holding_a_share_of_its_state(name, replicas):
     one = train(OPTIMIZERS[name], 1)
     many = train(OPTIMIZERS[name], replicas)
@@ -225,6 +231,27 @@ def test_a_sharded_checkpoint_is_keras_own_and_loads_on_any_number_of_replicas(t
     assert_trains_as_one_device(one, four)
 
 
+def test_swap_ema_weights_evaluates_and_ends_with_the_averages_as_one_device():
+    """SwapEMAWeights(swap_on_epoch=True): each epoch's evaluation and the last epoch read the whole averages."""
+    def run(replicas):
+        history = []
+        callbacks = [keras.callbacks.SwapEMAWeights(swap_on_epoch=True),
+                     keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: history.append(logs["val_loss"]))]
+        with tfdist.scope("mirrored", devices=f"CPU:[0-{replicas - 1}]", shard_optimizer_state=True) if (
+                replicas > 1) else contextlib.nullcontext():
+            model = compiled(OPTIMIZERS["adam_ema"])
+        model.fit(X, Y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0, validation_data=(X[:16], Y[:16]),
+                  callbacks=callbacks)
+        return model, history
+
+    (one, one_history), (two, two_history) = run(1), run(2)
+    assert sharded_state.is_sharded(two.optimizer)
+    np.testing.assert_allclose(two_history, one_history, rtol=1e-6)
+    assert_trains_as_one_device(one, two)
+    for got, want in zip(two.optimizer._model_variables_moving_average, one.optimizer._model_variables_moving_average):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+
+
 def assert_same_weights(got_model, want_model):
     for got, want in zip(got_model.get_weights(), want_model.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
@@ -234,11 +261,10 @@ def assert_same_weights(got_model, want_model):
     (lambda: keras.optimizers.Lamb(0.01), r"cannot shard the state of Lamb: its update is not element by element"),
     (lambda: keras.optimizers.Adafactor(0.01), r"cannot shard the state of Adafactor"),
     (lambda: keras.optimizers.Muon(0.01), r"cannot shard the state of Muon"),
-    (lambda: keras.optimizers.Adam(0.01, use_ema=True),
-     r"does not shard Adam\(use_ema=True\)'s moving averages yet: pass use_ema=False"),
     (lambda: keras.optimizers.SGD(0.01, gradient_accumulation_steps=2),
-     r"does not shard gradient accumulation yet \(SGD\(gradient_accumulation_steps=2\)\)"),
-], ids=["lamb", "adafactor", "muon", "use_ema", "accumulation"])
+     r"does not shard gradient accumulation \(SGD\(gradient_accumulation_steps=2\)\): its accumulators hold each "
+     r"replica's own unreduced gradients"),
+], ids=["lamb", "adafactor", "muon", "accumulation"])
 def test_what_cannot_be_sharded_exactly_is_refused_at_the_first_fit(make_optimizer, message):
     with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=True):
         model = compiled(make_optimizer)

@@ -1,5 +1,5 @@
-"""Optimizer state sharded over worker processes (ZeRO-1, issue 42): 2 workers train as one device holding
-half the state each; their checkpoint is Keras' own (plain Keras loads it on one device) and 3 workers resume
+"""Optimizer state sharded over worker processes (ZeRO-1, issue 42): 2 workers train Adam with moving averages
+(use_ema) as one device, holding half the state each; their checkpoint is Keras' own (plain Keras loads it on one device) and 3 workers resume
 from it exactly; a preempted sharded job saves and resumes at the agreed step exactly."""
 
 import keras
@@ -17,7 +17,7 @@ from tfdist import sharding
 
 def one_device(epochs):
     """The one-device run the jobs must equal, after ``epochs`` epochs."""
-    model = common.resumable_model()
+    model = common.resumable_model(use_ema=True)
     x, y = common.regression_data(common.GLOBAL_BATCH * common.SHARDED_STEPS)
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH), epochs=epochs, verbose=0)
     return model

@@ -276,13 +276,17 @@ def collectives_waited_for(graph) -> dict:
 SHARDED_STEPS, SHARDED_EPOCHS = 6, 2  # tests/workers/sharded_state_job.py
 
 
-def resumable_model():
-    """``equivalence_model`` with Adam on a decaying learning rate: optimizer state a resumed run must restore."""
+def resumable_model(use_ema: bool = False):
+    """``equivalence_model`` with Adam on a decaying learning rate: optimizer state a resumed run must restore.
+
+    ``use_ema``: Adam also keeps moving averages of the weights, which overwrite them every 4th update.
+    """
     import keras
 
     model = equivalence_model()
     schedule = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=5, decay_rate=0.9)
-    model.compile(optimizer=keras.optimizers.Adam(learning_rate=schedule), loss="mse")
+    ema = {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 4} if use_ema else {}
+    model.compile(optimizer=keras.optimizers.Adam(learning_rate=schedule, **ema), loss="mse")
     return model
 
 

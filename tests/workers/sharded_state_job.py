@@ -1,6 +1,6 @@
 """Optimizer state sharded over the workers: `sharded_state_job.py OUT_DIR train|resume|chief_saves`.
 
-train: ``common.resumable_model()`` (Adam on a decaying learning rate) under
+train: ``common.resumable_model(use_ema=True)`` (Adam on a decaying learning rate, moving averages) under
 ``tfdist.scope(shard_optimizer_state=True)``, ``SHARDED_EPOCHS`` epochs of ``SHARDED_STEPS`` global
 batches, with a ModelCheckpoint to OUT_DIR/model.keras at each epoch's end (every worker saves; the
 chief's file is kept). resume: the same scope loads OUT_DIR/model.keras and trains one epoch more.
@@ -26,7 +26,7 @@ checkpoint = os.path.join(out_dir, "model.keras")
 x, y = common.regression_data(common.GLOBAL_BATCH * common.SHARDED_STEPS)
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(common.GLOBAL_BATCH)
 with tfdist.scope(shard_optimizer_state=True) as strategy:
-    model = keras.models.load_model(checkpoint) if phase == "resume" else common.resumable_model()
+    model = keras.models.load_model(checkpoint) if phase == "resume" else common.resumable_model(use_ema=True)
 callbacks = [keras.callbacks.ModelCheckpoint(checkpoint)] if phase == "train" else []
 model.fit(data, epochs=common.SHARDED_EPOCHS if phase == "train" else 1, verbose=0, callbacks=callbacks)
 if phase == "chief_saves":

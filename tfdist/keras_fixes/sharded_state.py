@@ -23,7 +23,9 @@ built under a strategy of N > 1 replicas (local devices or workers) shards its s
 
 Only optimizers whose update is element-wise can be sharded exactly (``SHARDABLE``); Lamb (a
 per-weight trust ratio), Adafactor (factored moments), Muon (whole matrices) and any other class
-are refused with an error naming them, as are ``use_ema`` and gradient accumulation (not sharded yet).
+are refused with an error naming them, as is gradient accumulation (its accumulators hold unreduced
+gradients). ``use_ema``'s moving averages are slots like the others: each replica moves its shard;
+the end of ``fit``, ``ema_overwrite_frequency`` and ``SwapEMAWeights`` gather them whole.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src import backend, initializers, optimizers
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
 
@@ -90,13 +93,12 @@ def check(optimizer) -> None:
             f"(Lamb's trust ratio and Adafactor's factored moments read a whole weight, Muon a whole matrix) or "
             f"not one tfdist checked. Shardable: {kinds}. Use one of them, or turn sharding off "
             f"(shard_optimizer_state=False, {sharding.ENV}=0).")
-    if optimizer.use_ema:
-        raise ShardingError(f"shard_optimizer_state does not shard {name}(use_ema=True)'s moving averages yet: "
-                            "pass use_ema=False, or shard_optimizer_state=False.")
     if optimizer.gradient_accumulation_steps:
         raise ShardingError(
-            f"shard_optimizer_state does not shard gradient accumulation yet ({name}(gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps})): accumulate with shard_optimizer_state=False.")
+            f"shard_optimizer_state does not shard gradient accumulation ({name}(gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps})): its accumulators hold each replica's own unreduced "
+            "gradients, which cannot be split before they are summed without a collective on every micro-batch. "
+            "Accumulate with shard_optimizer_state=False, or shard without accumulating (a larger batch).")
 
 
 def mark(optimizer, value: bool = True) -> None:
@@ -192,11 +194,7 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
     layout = getattr(self, "_tfdist_layout", None)
     if layout is None:
         return original(self, grads, trainable_variables, learning_rate)
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync != layout.replicas:
-        raise ShardingError(
-            f"{self.name} shards its state over {layout.replicas} replicas and applies gradients only inside "
-            "strategy.run (fit does; a custom loop calls optimizer.apply_gradients in its step function).")
+    context = _replica_context(self, layout)
     trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
     reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
     replica = context.replica_id_in_sync_group
@@ -214,6 +212,63 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
                 self.update_step(gradients[i], shard, learning_rate)
                 shards.append(shard.value)
             written = _gather_into_weights(context, shards, [trainable_variables[i] for i in group], layout)
+
+
+def _replica_context(optimizer, layout: _Layout):
+    """The replica context a sharded step runs in; a ShardingError outside ``strategy.run``."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync != layout.replicas:
+        raise ShardingError(
+            f"{optimizer.name} shards its state over {layout.replicas} replicas and applies gradients only inside "
+            "strategy.run (fit does; a custom loop calls optimizer.apply_gradients in its step function).")
+    return context
+
+
+@patch.replaces(BaseOptimizer, "_update_model_variables_moving_average", ("self", "trainable_variables"))
+def _move_average_shards(original, self, trainable_variables):
+    """``use_ema``: each replica moves its shard of every moving average towards its shard of the new weight."""
+    layout = getattr(self, "_tfdist_layout", None)
+    if layout is None or not self.use_ema:
+        return original(self, trainable_variables)
+    replica = _replica_context(self, layout).replica_id_in_sync_group
+    for variable, average in zip(trainable_variables, self._model_variables_moving_average):
+        if average is None:
+            continue
+        shard = _my_shard(variable.value if isinstance(variable, backend.Variable) else variable, replica, layout)
+        momentum = tf.cast(tf.not_equal(self.iterations, 0), shard.dtype) * self.ema_momentum  # as Keras moves it
+        average.assign(momentum * average.value + (1 - momentum) * shard)
+
+
+@patch.replaces(TFOptimizer, "_overwrite_model_variables_with_average_value", ("self", "trainable_variables"))
+def _overwrite_with_whole_averages(original, self, trainable_variables):
+    """The weights become their moving averages, gathered whole (the end of ``fit``; every
+    ``ema_overwrite_frequency``-th update, in cross-replica context: tfdist.keras_fixes.accumulation)."""
+    averages = getattr(self, "_model_variables_moving_average", ())
+    if not any(isinstance(a, _ShardSlot) for a in averages) or len(trainable_variables) != len(averages):
+        return original(self, trainable_variables)
+    for variable, average in zip(trainable_variables, averages):
+        if average is not None:
+            variable.assign(average.whole() if tf.executing_eagerly() else average.gathered())
+
+
+@patch.replaces(SwapEMAWeights, "_tf_swap_variables", ("self", "optimizer"))
+def _swap_with_whole_averages(original, self, optimizer):
+    """SwapEMAWeights: each weight and its moving average trade values (the average gathered whole)."""
+    if not is_sharded(optimizer):
+        return original(self, optimizer)
+    for variable, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
+        weight = variable.numpy()
+        variable.assign(average.whole())
+        average.assign_whole(weight)
+
+
+@patch.replaces(SwapEMAWeights, "_tf_finalize_ema_values", ("self", "optimizer"))
+def _averages_from_weights(original, self, optimizer):
+    """SwapEMAWeights' last epoch: each replica's shard of every moving average becomes the weight's."""
+    if not is_sharded(optimizer):
+        return original(self, optimizer)
+    for variable, average in zip(optimizer._trainable_variables, optimizer._model_variables_moving_average):
+        average.assign_whole(variable.numpy())
 
 
 def _my_shard(tensor, replica, layout: _Layout) -> tf.Tensor:
@@ -293,6 +348,11 @@ class _ShardSlot(backend.Variable):
         _every_worker_gathers(strategy, self.name)
         gathered = strategy.gather(strategy.run(lambda: tf.identity(self.value)), axis=0)
         return gathered[:slot.size].numpy().reshape(slot.shape)
+
+    def gathered(self) -> tf.Tensor:
+        """The whole slot as a tensor, in cross-replica context inside a ``tf.function`` (every worker runs it)."""
+        whole = self._tfdist_strategy.gather(self.value, axis=0)
+        return tf.reshape(whole[:self._tfdist_slot.size], self._tfdist_slot.shape)
 
     def assign_whole(self, value) -> None:
         """Keeps each local replica's shard of ``value``, a whole slot."""
