@@ -20,6 +20,7 @@ from tests import netns
 from tests.jobs import WORKERS
 from tests.nodes_jobs import finish, node_command, start_node, wait_for
 from tests.workers import common
+from tfdist import sharding
 
 MASTER_PORT = 29400
 EPOCHS = 10
@@ -48,10 +49,13 @@ def run_of(out_dir, workers):
     return count
 
 
-def single_device_weights(num_epochs):
+def single_device_weights(num_epochs, optimizer="sgd"):
+    import keras
     import tensorflow as tf
 
     model = common.equivalence_model()
+    if optimizer == "adam":
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")  # as elastic_fit_job.py's
     x, y = common.regression_data(48)
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(12), epochs=num_epochs, verbose=0)
     return model.get_weights()
@@ -85,6 +89,36 @@ def test_fit_goes_from_2_to_3_nodes_and_back_to_2_with_every_epoch_once(hosts, t
     assert "joined; restarting every node's workers with 3 nodes" in master_output
     assert "left; restarting every node's workers with 2 nodes" in master_output
     assert "all workers finished on 2 nodes" in master_output and "restart(s)" not in master_output
+    assert all(not host.pids() for host in hosts)
+
+
+def test_sharded_adam_state_backed_up_by_2_workers_is_restored_by_3_exactly(hosts, tmp_path):
+    """--nnodes 2:3, an unchanged script with TFDIST_SHARD_OPTIMIZER_STATE=1 and Adam: Keras' BackupAndRestore
+    of 2 sharded workers (each slot gathered whole) is restored by 3 (each keeping its third of every slot)."""
+    total = 8
+    master = f"{hosts[0].address}:{MASTER_PORT}"
+    worker = [sys.executable, str(WORKERS / "elastic_fit_job.py"), str(tmp_path), str(total), "adam"]
+    command = node_command(None, "2:3", master, worker, "--rdzv-wait", "0", timeout=400)
+    env = {sharding.ENV: "1"}
+    nodes = [start_node(hosts[i].command(command), env) for i in (0, 1)]
+    try:
+        wait_for(lambda: run_of(tmp_path, 2) >= 2, "2 epochs on 2 workers", timeout=240)
+        nodes.append(start_node(hosts[2].command(command), env))
+        wait_for(lambda: run_of(tmp_path, 3) >= 1, "an epoch on 3 workers", timeout=240)
+    finally:
+        results = finish(nodes, timeout=400)
+    assert [r.returncode for r in results] == [0, 0, 0], [r.output[-4000:] for r in results]
+    done = epochs(tmp_path)
+    assert [e for e, _ in done] == list(range(total)), done
+    sizes = [s for _, s in done]
+    assert [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s] == [2, 3], done
+    workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in range(3)]
+    assert all(w["workers"] == 3 and w["attempt"] == 1 and w["sharded"] for w in workers), workers
+    for other in workers[1:]:
+        for first, second in zip(workers[0]["weights"], other["weights"]):
+            np.testing.assert_array_equal(first, second)
+    for got, want in zip(workers[0]["weights"], single_device_weights(total, "adam")):
+        np.testing.assert_allclose(got, want, atol=1e-5)
     assert all(not host.pids() for host in hosts)
 
 
