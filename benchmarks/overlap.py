@@ -188,30 +188,37 @@ def run_job(setup: str, hosts, args: argparse.Namespace, trace: bool, port: int)
 
 
 def launch(job: list[str], workers: int, hosts, link: str, port: int, timeout: int = 300) -> dict:
-    """Runs ``python <job> --out DIR`` as one ``tfdist run`` job of ``workers`` (one per namespace over veth, or
-    both in the first over loopback), stopped after ``timeout`` s; returns the result.json its chief wrote in DIR."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_TOKEN": "benchmark"}
+    """Runs ``python <job> --out DIR`` as one ``tfdist run`` job of ``workers`` (see ``launch_in``); returns the
+    result.json its chief wrote in DIR."""
     with tempfile.TemporaryDirectory() as out:
-        job = [sys.executable, *job, "--out", out]
-        if workers == 1 or link == "loopback":
-            commands = [hosts[0].command([sys.executable, "-m", "tfdist.run", "-n", str(workers),
-                                          "--timeout", str(timeout), "--", *job])]
-        else:
-            master = f"{hosts[0].address}:{port}"
-            commands = [host.command([sys.executable, "-m", "tfdist.run", "--nnodes", "2", "--node-rank", str(rank),
-                                      "--master", master, "-n", "1", "--timeout", str(timeout), "--", *job])
-                        for rank, host in enumerate(hosts)]
-        launchers = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for c in commands]
-        try:
-            outputs = [launcher.communicate(timeout=timeout + 100)[0] for launcher in launchers]
-        finally:
-            for launcher in launchers:
-                launcher.kill()
+        outputs = launch_in(out, job, workers, hosts, link, port, timeout)
         result = pathlib.Path(out, "result.json")
         if not result.exists():
-            raise RuntimeError(f"job {job[1:]} gave no result:\n" + "\n".join(o[-3000:] for o in outputs))
+            raise RuntimeError(f"job {job} gave no result:\n" + "\n".join(o[-3000:] for o in outputs))
         return json.loads(result.read_text())
+
+
+def launch_in(out: str, job: list[str], workers: int, hosts, link: str, port: int, timeout: int = 300) -> list[str]:
+    """Runs ``python <job> --out <out>`` as one ``tfdist run`` job of ``workers`` (one per namespace over veth, or
+    all in the first over loopback), stopped after ``timeout`` s; returns each launcher's output (what the job
+    writes in ``out`` is the caller's to read)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "TFDIST_TOKEN": "benchmark"}
+    job = [sys.executable, *job, "--out", out]
+    if workers == 1 or link == "loopback":
+        commands = [hosts[0].command([sys.executable, "-m", "tfdist.run", "-n", str(workers),
+                                      "--timeout", str(timeout), "--", *job])]
+    else:
+        master = f"{hosts[0].address}:{port}"
+        commands = [host.command([sys.executable, "-m", "tfdist.run", "--nnodes", "2", "--node-rank", str(rank),
+                                  "--master", master, "-n", "1", "--timeout", str(timeout), "--", *job])
+                    for rank, host in enumerate(hosts)]
+    launchers = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for c in commands]
+    try:
+        return [launcher.communicate(timeout=timeout + 100)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
 
 
 def shape(hosts, rate: str) -> None:

@@ -13,13 +13,20 @@ alternating order, and prints per worker:
 then the peak memory saved as a fraction of the whole optimizer state (the goal: >= 40% at 2 workers)
 and the sharded/whole step-time ratio. ``--devices N`` does the same in one process over N logical CPUs.
 
+The workers talk over loopback (``tfdist run -n N`` on 127.0.0.1), unless ``--rate`` is given: then the 2
+workers run in two Linux network namespaces joined by a veth pair (tests/netns.py), one each, with both veth
+ends shaped to that rate by ``tc ... tbf`` (``none``: unshaped veth), as benchmarks/overlap.py does; that
+needs root. A sharded step sends the all-reduce's bytes and an all-gather's (half of them at 2 workers).
+
     python benchmarks/sharded_state.py --workers 2 --rounds 3
     python benchmarks/sharded_state.py --devices 4 --rounds 2
+    sudo python benchmarks/sharded_state.py --workers 2 --rounds 3 --rate 1gbit
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -31,11 +38,18 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import overlap  # noqa: E402
+
 BATCH = 16
+PORT = 29960  # the master's port of a job over veth (inside the namespaces), one more each job
 
 
 def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: int) -> None:
-    """One worker (or, with ``devices``, one process of that many replicas): fit, then its figures."""
+    """One worker (or, with ``devices``, one process of that many replicas): fit, then its figures in
+    ``out``/result.<rank>."""
     import tensorflow as tf
 
     if devices:
@@ -62,16 +76,17 @@ def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: i
     rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
     peak_rss, peak_tensors = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _peak_tensor_bytes(tf)
     start = time.perf_counter()  # every worker saves (a sharded save gathers the slots), each to its own file
-    model.save_weights(f"{out}.{rank}.weights.h5")
+    model.save_weights(os.path.join(out, f"{rank}.weights.h5"))
     save_seconds = time.perf_counter() - start
-    os.remove(f"{out}.{rank}.weights.h5")
-    pathlib.Path(f"{out}.{rank}").write_text(json.dumps({
+    os.remove(os.path.join(out, f"{rank}.weights.h5"))
+    pathlib.Path(out, f"result.{rank}").write_text(json.dumps({
         "state_bytes": tfdist.optimizer_state_bytes(model.optimizer),
         "peak_rss_bytes": peak_rss,  # training's peak; the save's own is below
         "peak_tensor_bytes": peak_tensors,
         "peak_rss_after_save_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "ms_per_step": 1000 * (half[-1] - half[0]) / (len(half) - 1),
         "save_seconds": save_seconds,
+        "weight_bytes": sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.trainable_variables),
         "replicas": strategy.num_replicas_in_sync}))
 
 
@@ -83,17 +98,28 @@ def _peak_tensor_bytes(tf) -> int | None:
         return None
 
 
-def run(shard: bool, args) -> list[dict]:
+def run(shard: bool, args, hosts=None, port: int = PORT) -> list[dict]:
+    """One job, sharded or whole: on loopback, or with ``hosts`` one worker in each namespace over the veth link;
+    returns every process's figures, by rank."""
     workers, devices, steps = args.workers, args.devices, args.steps
+    job = [__file__, "--worker", "--shard", str(int(shard)), "--steps", str(steps), "--devices", str(devices),
+           "--width", str(args.width), "--depth", str(args.depth)]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        job = [sys.executable, __file__, "--worker", out, "--shard", str(int(shard)), "--steps", str(steps),
-               "--devices", str(devices), "--width", str(args.width), "--depth", str(args.depth)]
-        command = job if devices else [sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", "1200",
-                                       "--", *job]
-        subprocess.run(command, env=env, check=True, capture_output=True)
-        return [json.loads(path.read_text()) for path in sorted(pathlib.Path(tmp).glob("result.[0-9]"))]
+        if hosts:
+            outputs = overlap.launch_in(tmp, job, workers, hosts, "veth", port, timeout=1200)
+        else:
+            env = {**os.environ,
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+            command = [sys.executable, *job, "--out", tmp]
+            if not devices:
+                command = [sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", "1200", "--", *command]
+            ran = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            outputs = [ran.stdout]
+        results = sorted(pathlib.Path(tmp).glob("result.[0-9]"))
+        if len(results) != (1 if devices else workers):
+            raise RuntimeError(f"the {'sharded' if shard else 'whole'} job wrote {len(results)} of "
+                               f"{1 if devices else workers} results:\n" + "\n".join(o[-3000:] for o in outputs))
+        return [json.loads(path.read_text()) for path in results]
 
 
 def main() -> None:
@@ -104,18 +130,46 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=2048, help="units of each Dense layer (and of the input)")
     parser.add_argument("--depth", type=int, default=6, help="Dense layers (6 x 2048: 25.2M parameters)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", help="2 workers on a veth link between 2 network namespaces, both ends shaped "
+                                       "to this tbf rate (e.g. 1gbit, 500mbit; none: unshaped); needs root "
+                                       "(default: loopback)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, bool(args.shard), args.steps, args.devices, args.width, args.depth)
+        worker(args.out, bool(args.shard), args.steps, args.devices, args.width, args.depth)
         return
+    if args.rate is not None and (args.rate != "none" and overlap.rate_bits(args.rate) is None):
+        parser.error(f"--rate takes a tbf rate such as 1gbit or 500mbit, or none (unshaped veth); received "
+                     f"{args.rate!r}.")
+    if args.rate is not None and (args.devices or args.workers != 2):
+        parser.error(f"--rate runs 2 workers, one in each of 2 network namespaces: drop --devices and keep "
+                     f"--workers 2; received --workers {args.workers}, --devices {args.devices}.")
+    if args.rate is None:
+        rounds(args)
+        return
+    from tests import netns
+
+    reason = netns.unavailable()
+    if reason:
+        sys.exit(f"sharded_state.py --rate needs network namespaces: {reason}")
+    with netns.hosts(prefix="tfzs") as hosts:
+        overlap.shape(hosts, args.rate)
+        rounds(args, hosts)
+
+
+def rounds(args, hosts=None) -> None:
+    """Runs and prints ``args.rounds`` rounds of a sharded and a whole job, in alternating order; then the medians."""
     what = f"{args.devices} logical CPUs in one process" if args.devices else f"{args.workers} workers"
-    print(f"sharded vs whole Adam state, {what}, {args.steps} steps of batch {BATCH}, {args.depth} x Dense({args.width})")
+    link = "" if args.devices else "; " + overlap.link_label("veth" if hosts else "loopback", args.rate or "none")
+    print(f"sharded vs whole Adam state, {what}, {args.steps} steps of batch {BATCH}, {args.depth} x Dense({args.width})"
+          + link, flush=True)
     saved, tensors_saved, ratios = [], [], []
+    ports = itertools.count(PORT)
     for index in range(args.rounds):
         order = (True, False) if index % 2 == 0 else (False, True)
-        figures = {shard: run(shard, args) for shard in order}
+        figures = {shard: run(shard, args, hosts, next(ports)) for shard in order}
         whole_state = figures[False][0]["state_bytes"]
         for rank, (on, off) in enumerate(zip(figures[True], figures[False])):
             saved.append((off["peak_rss_bytes"] - on["peak_rss_bytes"]) / whole_state)
@@ -138,6 +192,11 @@ def main() -> None:
     print(f"peak RSS saved, as a fraction of the whole optimizer state: median {statistics.median(saved):.2f} "
           f"(min {min(saved):.2f}, max {max(saved):.2f}); step time sharded/whole: median "
           f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})")
+    bits = hosts and overlap.rate_bits(args.rate)
+    if bits:  # a ring all-reduce on 2 workers sends the whole gradient each way, the all-gather half of it
+        wire_ms = figures[False][0]["weight_bytes"] * 8 / bits * 1000
+        print(f"wire time of one step at {args.rate}: all-reduce {wire_ms:.0f} ms (whole), all-reduce + all-gather "
+              f"{1.5 * wire_ms:.0f} ms (sharded)")
 
 
 if __name__ == "__main__":
