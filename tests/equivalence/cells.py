@@ -3,9 +3,11 @@
 Single-process modes train on a MirroredStrategy over this process's 2 logical CPUs; the
 tfdist.horovod modes train on this worker's share of each global batch (2 workers). Either
 way the reference trains the same model from the same initial weights, with the same
-optimizer settings, on ONE device, on the whole global batch of every step. Horovod averages
-each rank's mean gradient (its documented semantics), so on a batch split unevenly over the
-ranks the reference weights each example by global size / (ranks * its rank's size).
+optimizer settings, on ONE device, on the whole global batch of every step. Custom loops take
+their loss from ``tfdist.compute_average_loss`` (which needs no global batch size), so on a
+batch split unevenly over replicas or ranks every example weighs as on one device, in
+tfdist.horovod too (Horovod itself averages each rank's mean gradient; ``hvd.DistributedOptimizer``
+still does under Keras' gradient accumulation).
 """
 
 from __future__ import annotations
@@ -118,17 +120,11 @@ def _squared_errors(y, prediction):
 
 
 def make_step(model, optimizer, tape_wrapper=None, strategy=None, function=True):
-    """One training step of a custom loop: sum(w * loss) / the batch's size, scaled, differentiated, applied.
-
-    Under ``strategy`` the size is the global batch's, all-reduced over the replicas (as a
-    careful user computes it: ``tf.nn.compute_average_loss`` would assume equal replica batches).
-    """
+    """One training step of a custom loop: ``tfdist.compute_average_loss`` (sum(w * loss) / the global batch's
+    size, however it split), scaled, differentiated, applied."""
     def replica_step(x, y, w):
-        size = tf.cast(tf.shape(x)[0], tf.float32)
-        if strategy is not None:
-            size = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, size)
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(_squared_errors(y, model(x, training=True)) * w) / size
+            loss = tfdist.compute_average_loss(_squared_errors(y, model(x, training=True)), sample_weight=w)
             scaled = optimizer.scale_loss(loss)
         if tape_wrapper is not None:
             tape = tape_wrapper(tape)
@@ -198,7 +194,8 @@ def rank_share(x, y, w, sizes, rank: int):
 
 
 def horovod_weights(w, sizes, ranks: int = 2):
-    """The reference's example weights that make one device's mean gradient Horovod's mean of rank means."""
+    """The reference's example weights that make one device's mean gradient Horovod's mean of rank means: what
+    ``hvd.DistributedOptimizer`` keeps under Keras' gradient accumulation (no count per micro-batch)."""
     factors = np.concatenate([np.full(part, sum(split) / (ranks * part), "float32")
                               for split in sizes for part in split if part])
     return w * factors
@@ -252,8 +249,9 @@ def run(cell: Cell, strategy=None, reference: bool = True) -> dict:
         x, y, w, sizes = make_data(cell)
         keras.utils.set_random_seed(0)
         initial = build_model(cell).get_weights()
+        keeps_horovods = cell.mode == "hvd_fit" and cell.optimizer == "accumulation"
         train_one_device = functools.partial(train_reference, cell, initial, x, y,
-                                             horovod_weights(w, sizes) if cell.multi_worker else w, sizes)
+                                             horovod_weights(w, sizes) if keeps_horovods else w, sizes)
         try:
             if cell.multi_worker:
                 model, optimizer = train_horovod(cell, initial, x, y, w, sizes)

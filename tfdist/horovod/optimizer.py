@@ -1,7 +1,10 @@
 """``hvd.DistributedOptimizer``, ``hvd.DistributedGradientTape`` and ``hvd.load_model``.
 
 Horovod's semantics, outside any strategy: each process computes gradients on its own
-batch, and they are averaged across processes before they are applied.
+batch, and they are averaged across processes before they are applied. Where tfdist knows
+each process's examples in the step (``fit``'s batch; a tape's ``tfdist.compute_average_loss``)
+the average weighs each process by them, as one device weighs every example (Horovod
+averages the processes' means; ``TFDIST_BATCH_WEIGHTING=keras`` gives that back).
 
 * ``DistributedOptimizer(opt)`` returns a copy of ``opt`` (same Keras class, same config,
   so it saves and loads as ``opt`` would) whose update all-reduces the gradients first:
@@ -36,7 +39,7 @@ from tfdist.horovod import uneven as join_lib
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
 from tfdist.errors import ShardingError
-from tfdist.keras_fixes import scaled_loss, sharded_state
+from tfdist.keras_fixes import batch_shares, scaled_loss, sharded_state
 from tfdist.patching import Patch
 
 # The Keras method _AllReduceBeforeUpdate overrides: if Keras stopped calling it, each process
@@ -99,6 +102,7 @@ class GradientReduction:
         self._sparse = self._finite_checked = self._eager = False
         self._stand_in = None
         self._flag, self._last_count = join_lib.ACTIVE, None
+        self._weighed = False  # the last step weighed each process by its examples (``reduce``)
         self.optimizer = None  # the DistributedOptimizer it belongs to, if any (hvd.join applies its updates)
         self.variables: list = []  # a tape's: the variables its gradients were of (hvd.join makes them equal)
 
@@ -127,7 +131,14 @@ class GradientReduction:
         self._signature = [(t.shape, t.dtype) for t in tensors]
         self._eager = tf.executing_eagerly()
         join_lib.count_step(self)
-        reduced, self._last_count = self._reduce(tensors, self._flag)
+        if self._flag == join_lib.JOINED:  # hvd.join's stand-in (an apply of zeros): no examples, weighed as before
+            examples = tf.constant(0.0) if self._weighed else None
+        else:
+            examples = batch_shares.examples_to_weigh()
+            self._weighed = examples is not None and self.op == Average and not (
+                self.optimizer is not None and (self.optimizer.gradient_accumulation_steps or 1) > 1)
+            examples = examples if self._weighed else None
+        reduced, self._last_count = self._reduce(tensors, self._flag, examples)
         if loss_scale is not None:
             reduced = [_times(t, loss_scale) for t in reduced]
         result = list(gradients)
@@ -144,10 +155,20 @@ class GradientReduction:
         compression = getattr(self.compression, "__name__", type(self.compression).__name__)
         return ("tape", tuple(self.process_set.ranks), self.op, self.prescale, self.postscale, compression, shapes)
 
-    def _reduce(self, tensors: list, joined: float) -> tuple[list, tf.Tensor | None]:
-        """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count."""
+    def _reduce(self, tensors: list, joined: float, examples=None) -> tuple[list, tf.Tensor | None]:
+        """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count.
+
+        ``examples``: this process's examples in the step; each process's gradients then weigh by its share
+        of the processes' examples, as one device weighs every example (``_weigh``).
+        """
         group = group_of(self.process_set, "DistributedOptimizer")
-        flags = [tf.constant(joined, tf.float32)] if group.size > 1 else []
+        op, flags = self.op, [tf.constant(joined, tf.float32)] if group.size > 1 else []
+        riding = examples is not None and group.size > 1 and self._count_rides(tensors)
+        if examples is not None and group.size > 1:
+            if riding:  # the count travels with the join flag; the sums are divided by the total after
+                tensors, op, flags = [_times(t, examples) for t in tensors], Sum, flags + [examples]
+            else:
+                tensors = self._weigh_apart(group, tensors, examples)
         # Bucket by bucket, last layers first, so each all-reduce overlaps the rest of the backward pass
         # (tfdist.buckets); eagerly nothing overlaps, so one call (each eager call also checks shapes).
         if tf.executing_eagerly():
@@ -164,7 +185,7 @@ class GradientReduction:
             for number, bucket in enumerate(plan):
                 extra = flags if number == 0 else []  # the join flag travels with the first bucket
                 inputs = on_ready(number, [tensors[i] for i in bucket], sum(buckets.nbytes(tensors[i]) for i in bucket))
-                out = on_reduced(number, group.grouped_allreduce(inputs + extra, self.op, self.prescale,
+                out = on_reduced(number, group.grouped_allreduce(inputs + extra, op, self.prescale,
                                                                  self.postscale, self.compression,
                                                                  keys=self._keys(number)))
                 for i, value in zip(bucket, out):
@@ -174,14 +195,28 @@ class GradientReduction:
             return summed
 
         step_clock.buckets_timed(tensors, reduce_buckets)  # the step's times (tfdist.step_clock)
-        count = joined_count[0] if joined_count else None
         if not flags:
             return reduced, None
-        scale = self.prescale * self.postscale / (group.size if self.op == Average else 1)
-        return reduced, count / scale
+        scale = self.prescale * self.postscale / (group.size if op == Average else 1)
+        if riding:
+            total = joined_count[1] / scale
+            reduced = [_times(t, tf.math.divide_no_nan(1.0, total)) for t in reduced]
+        return reduced, joined_count[0] / scale
 
-    def _keys(self, bucket: int) -> process_group.KeyCache:
-        """The instance keys of one bucket's all-reduce, kept across retraces."""
+    def _count_rides(self, tensors: list) -> bool:
+        """Whether gradients times the example count may travel as they are: not on a float16 wire or in float16."""
+        return self.compression is Compression.none and all(
+            tf.as_dtype(t.dtype) in (tf.float32, tf.float64) for t in tensors)
+
+    def _weigh_apart(self, group, tensors: list, examples) -> list:
+        """The processes add their counts up first (one scalar all-reduce), and each process's gradients are
+        multiplied by count * processes / total: near 1, so a float16 wire or float16 gradients do not overflow."""
+        total = group.grouped_allreduce([examples], Sum, keys=self._keys("examples"))[0]  # kept across retraces
+        factor = tf.math.divide_no_nan(examples * group.size, total)
+        return [_times(t, factor) for t in tensors]
+
+    def _keys(self, bucket: int | str) -> process_group.KeyCache:
+        """The instance keys of one bucket's (or the examples') all-reduce, kept across retraces."""
         return self.keys.setdefault(bucket, process_group.KeyCache())
 
     def stand_in(self) -> tf.Tensor:
@@ -221,7 +256,8 @@ class GradientReduction:
         return self._last_count
 
     def _reduce_zeros(self) -> tf.Tensor:
-        return self._reduce([tf.zeros(shape, dtype) for shape, dtype in self._signature], join_lib.JOINED)[1]
+        return self._reduce([tf.zeros(shape, dtype) for shape, dtype in self._signature], join_lib.JOINED,
+                            tf.constant(0.0) if self._weighed else None)[1]
 
     def check_joinable(self) -> None:
         """Raises ValueError when ``hvd.join()`` cannot stand in for this reduction."""

@@ -11,9 +11,11 @@ the same weights; after a ``DistributedGradientTape`` loop, ``join`` broadcasts 
 variables the tapes differentiated from the rank it returns (the last to join has every
 update): Horovod leaves them stale and its users broadcast by hand (PyTorch's ``Join``
 syncs the model). A plain optimizer's slots (Adam's moments) stay each rank's own.
-The average divides by ``size()``, joined ranks included, as Horovod does: Horovod's
-``EnqueueTensorAllreduces`` turns Average into ``postscale_factor /= size`` (horovod/common/
-operations.cc) and its controller fills joined ranks' tensors with zeros.
+An average weighed by examples (``GradientReduction``: ``fit``, ``tfdist.compute_average_loss``)
+divides by the examples of the ranks still training (a joined rank adds none); an unweighed one
+by ``size()``, joined ranks included, as Horovod does: Horovod's ``EnqueueTensorAllreduces``
+turns Average into ``postscale_factor /= size`` (horovod/common/operations.cc) and its
+controller fills joined ranks' tensors with zeros.
 
 Limits: a joined rank stands in for gradient all-reduces only (not for ``hvd.allreduce``
 of metrics, broadcasts or a LossScaleOptimizer's finite check), and only after it made

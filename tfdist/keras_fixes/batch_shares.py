@@ -32,6 +32,10 @@ weighting (it computes its loss its own way): ``compute_average_loss`` gives it 
 
 Custom loops: ``compute_average_loss`` is ``tf.nn.compute_average_loss`` without the global
 batch size (the replicas add their counts up).
+
+Outside any strategy (tfdist.horovod) the train step and ``compute_average_loss`` note the
+process's examples (``note_examples``), which the step's Horovod gradient reduction weighs
+each process's mean gradients by (``examples_to_weigh``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from tfdist.patching import Patch
 ENV = "TFDIST_BATCH_WEIGHTING"
 _CHOICES = ("exact", "keras")
 _share = threading.local()  # .value: a _Share, while a train step is traced in this replica's thread
+_examples = threading.local()  # .value: (graph, count) noted outside any strategy, for a tfdist.horovod reduction
 
 patch = Patch(
     "batch_shares", "Keras (as tf.distribute and Horovod) weighs each replica's mean loss by 1 / replicas",
@@ -88,13 +93,42 @@ class _Share:
         self.in_loss = False  # inside the step's compute_loss: only the losses it sums weigh by the share
 
 
+def note_examples(count) -> None:
+    """Outside any strategy (tfdist.horovod): this process's examples in the step being built, which the step's
+    gradient reduction weighs its gradients by (``examples_to_weigh``)."""
+    if not tf.distribute.has_strategy():
+        _examples.value = (tf.compat.v1.get_default_graph(), tf.cast(count, tf.float32))
+
+
+def examples_to_weigh() -> tf.Tensor | None:
+    """The examples noted in the step being built (then forgotten), or None (none noted, or Keras' weighting):
+    a tfdist.horovod reduction multiplies each process's mean gradients by them and divides the sums by the total."""
+    noted = getattr(_examples, "value", None)
+    _examples.value = None
+    if noted is None or not _inside(noted[0]) or weighting() != "exact":
+        return None
+    return noted[1]
+
+
+def _inside(graph) -> bool:
+    """Whether the graph being built is ``graph`` or a function inside it (a ``cond`` branch: a loss scale's)."""
+    current = tf.compat.v1.get_default_graph()
+    while current is not None and current is not graph:
+        current = getattr(current, "outer_graph", None)
+    return current is graph
+
+
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "train_step", ("self", "data"))
 def _train_step_weighed_by_shares(original, self, data):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync <= 1 or weighting() != "exact":
-        return original(self, data)
-    count = tf.cast(tf.shape(next(t for t in tree.flatten(data[0] if isinstance(data, tuple) else data)
-                                  if t is not None))[0], tf.float32)
+        if weighting() == "exact":
+            note_examples(_count_of(data))  # for hvd.DistributedOptimizer
+        try:
+            return original(self, data)
+        finally:
+            _examples.value = None
+    count = _count_of(data)
     if _count_rides_in_a_bucket(self):
         share = _Share(count, count)
     else:
@@ -111,6 +145,12 @@ def _train_step_weighed_by_shares(original, self, data):
             f"({type(self.optimizer).__name__}): its gradients would be as many times too large. Set "
             f"{ENV}=keras for Keras' weighting, and report this to tfdist.")
     return outputs
+
+
+def _count_of(data) -> tf.Tensor:
+    """The step's examples: the batch size of its first input (what Keras' loss tracker weighs by)."""
+    return tf.cast(tf.shape(next(t for t in tree.flatten(data[0] if isinstance(data, tuple) else data)
+                                 if t is not None))[0], tf.float32)
 
 
 def _count_rides_in_a_bucket(model) -> bool:
@@ -181,6 +221,7 @@ def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:
     if sample_weight is not None:
         per_example_loss = per_example_loss * tf.cast(sample_weight, per_example_loss.dtype)
     count = tf.shape(per_example_loss)[0]
+    note_examples(count)  # a tfdist.horovod tape weighs this process's gradients by it
     context = tf.distribute.get_replica_context()
     total = tf.cast(count, tf.float32) if context is None else global_count(count)
     return tf.math.divide_no_nan(tf.reduce_sum(per_example_loss), tf.cast(total, per_example_loss.dtype))
