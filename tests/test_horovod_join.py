@@ -22,14 +22,18 @@ def assert_equal_on_both_ranks(job, key: str, expected: list) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def assert_joined(job, run: str, data: list, last: int) -> None:
-    """Both ranks' weights of ``run`` are equal, equal NumPy's join average of ``data``, and agree on the last rank."""
-    assert_equal_on_both_ranks(job, f"{run}_weights", common.join_by_hand(data))
+def assert_joined(job, run: str, data: list, last: int, per_example: bool = False) -> None:
+    """Both ranks' weights of ``run`` are equal, equal NumPy's join average of ``data`` (``per_example``: one
+    device's mean over the rows of every step), and agree on the last rank."""
+    assert_equal_on_both_ranks(job, f"{run}_weights", common.join_by_hand(data, per_example=per_example))
     assert job.results[0][f"{run}_last"] == job.results[1][f"{run}_last"] == last
 
 
-def test_fit_with_fewer_batches_on_rank_1_joins_with_horovods_average(job):
-    assert_joined(job, "fit", [common.join_data(0, 10), common.join_data(1, 6)], last=0)  # rank 0 joined last
+def test_fit_with_fewer_batches_on_rank_1_joins_weighing_every_example_as_one_device(job):
+    """fit's DistributedOptimizer weighs each rank by its examples: once rank 1 joined, a step is rank 0's
+    batch alone (Horovod would halve it)."""
+    assert_joined(job, "fit", [common.join_data(0, 10), common.join_data(1, 6)], last=0,  # rank 0 joined last
+                  per_example=True)
 
 
 def test_tf_function_loop_with_distributed_gradient_tape_joins(job):
