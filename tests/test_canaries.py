@@ -19,8 +19,8 @@ def replacements(patches):
 
 
 def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
-    """A mixed-precision fit under 2 mirrored replicas, K=2 steps per call, Keras' file and
-    early-stopping callbacks, then evaluate and predict: every replaced internal is called."""
+    """A mixed-precision fit under 2 mirrored replicas, K=2 steps per call, moving averages (sharded), Keras' file,
+    early-stopping and EMA-swapping callbacks, then evaluate and predict: every replaced internal is called."""
     patches = [*keras_fixes.PATCHES, tf_fixes.patch]
     patches = [p for p in patches if not p.name.startswith("keras_distribution")]  # test_keras_distribution's
     for _, replacement in replacements(patches):
@@ -31,7 +31,8 @@ def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
                                   keras.layers.BatchNormalization(synchronized=True),
                                   keras.layers.Dense(1, dtype="float32")])
-        model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse", steps_per_execution=2)
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.5, use_ema=True, ema_overwrite_frequency=2), "mse",
+                      steps_per_execution=2)
     x, y = common.regression_data(16 * 5)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     model.fit(data, epochs=2, verbose=0, validation_data=data, callbacks=[
@@ -40,7 +41,8 @@ def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
         keras.callbacks.TensorBoard(str(tmp_path / "tb")),
         keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
         keras.callbacks.EarlyStopping(monitor="loss", patience=5),
-        keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=5)])
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=5),
+        keras.callbacks.SwapEMAWeights(swap_on_epoch=True)])
     model.evaluate(data, verbose=0)
     model.predict(data, verbose=0)
     model.load_weights(str(tmp_path / "m.keras"))  # the sharded slots saved whole, loaded back into shards

@@ -36,6 +36,16 @@ def test_fit_with_fewer_batches_on_rank_1_joins_weighing_every_example_as_one_de
                   per_example=True)
 
 
+def test_a_loss_one_rank_computes_outside_a_tape_weighs_no_later_step(job):
+    """Rank 0 validated with tfdist.compute_average_loss: the ranks' later tf.function tape steps still match."""
+    assert_equal_on_both_ranks(job, "validated_weights", common.join_by_hand(
+        [common.join_data(10, 2), common.join_data(11, 2)]))
+
+
+def test_a_tape_loop_weighed_by_compute_average_loss_joins_as_one_device(job):
+    assert_joined(job, "weighed", [common.join_data(12, 3), common.join_data(13, 2)], last=0, per_example=True)
+
+
 def test_tf_function_loop_with_distributed_gradient_tape_joins(job):
     """No broadcast after join (Horovod's users need one): rank 0 joined after 3 of rank 1's 5 steps."""
     assert_joined(job, "loop", [common.join_data(2, 3), common.join_data(3, 5)], last=1)

@@ -85,6 +85,43 @@ for i in range((2, 4)[r]):
         tower_optimizer.apply_gradients(zip(tape.gradient(loss, tower.trainable_variables), tower.trainable_variables))
 payload["towers_last"] = int(hvd.join().numpy())
 payload["towers_weights"] = [[w.tolist() for w in tower.get_weights()] for tower in towers]
+
+# 3c. Rank 0 alone computes tfdist.compute_average_loss outside any tape (it validates): no later step of its
+# weighs by that count, so both ranks' tapes all-reduce alike (a stale note made their collectives differ).
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+x, y = common.join_data(r + 10, 2)
+if r == 0:
+    tfdist.compute_average_loss(tf.reduce_sum(tf.square(model(x) - y), axis=1))
+
+
+@tf.function
+def step_after_validation(xb, yb):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xb) - yb))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+for i in range(0, len(x), common.JOIN_BATCH):
+    step_after_validation(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+payload["validated_weights"] = [w.tolist() for w in model.get_weights()]
+hvd.join()
+
+# 3d. A weighed eager tape loop (its loss from tfdist.compute_average_loss) on uneven data, then join: every
+# example weighs as on one device (once rank 1 joined, a step is rank 0's batch alone), every rank equal.
+model = linear_model()
+optimizer = keras.optimizers.SGD(common.JOIN_LR)
+x, y = common.join_data(r + 12, 3 if r == 0 else 2)
+for i in range(0, len(x), common.JOIN_BATCH):
+    with tf.GradientTape() as tape:
+        loss = tfdist.compute_average_loss(tf.reduce_sum(tf.square(model(x[i:i + common.JOIN_BATCH])
+                                                                   - y[i:i + common.JOIN_BATCH]), axis=1))
+    tape = hvd.DistributedGradientTape(tape)
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+payload["weighed_last"] = int(hvd.join().numpy())
+payload["weighed_weights"] = [w.tolist() for w in model.get_weights()]
+
 # 4. SyncBatchNormalization: each rank half of every global batch.
 x, y = common.sync_bn_data()
 half = len(x) // 2
@@ -175,4 +212,5 @@ for _ in range(2):
     optimizer.apply([tf.constant([3.0, 1.0]) * optimizer.dynamic_scale], [variable])
 payload["fp16_loss_scale"] = {"steps": int(optimizer.inner_optimizer.iterations.numpy()),
                               "scale": float(optimizer.dynamic_scale.numpy()), "weights": variable.numpy().tolist()}
+
 common.write_result(out_dir, payload)

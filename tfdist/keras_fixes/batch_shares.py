@@ -45,6 +45,7 @@ import threading
 
 import tensorflow as tf
 from keras.src import tree
+from tensorflow.python.eager import record
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
@@ -93,11 +94,18 @@ class _Share:
         self.in_loss = False  # inside the step's compute_loss: only the losses it sums weigh by the share
 
 
-def note_examples(count) -> None:
+def note_examples(count, in_a_train_step: bool = False) -> None:
     """Outside any strategy (tfdist.horovod): this process's examples in the step being built, which the step's
-    gradient reduction weighs its gradients by (``examples_to_weigh``)."""
-    if not tf.distribute.has_strategy():
-        _examples.value = (tf.compat.v1.get_default_graph(), tf.cast(count, tf.float32))
+    gradient reduction weighs its gradients by (``examples_to_weigh``).
+
+    Noted in Keras' train step, or while a gradient tape records: a loss computed for validation or
+    logging, outside a tape, weighs no later step (a rank-dependent note would make the ranks'
+    collectives differ).
+    """
+    if tf.distribute.has_strategy() or not (in_a_train_step or record.could_possibly_record()):
+        return
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    _examples.value = (graph, tf.cast(count, tf.float32))
 
 
 def examples_to_weigh() -> tf.Tensor | None:
@@ -111,7 +119,10 @@ def examples_to_weigh() -> tf.Tensor | None:
 
 
 def _inside(graph) -> bool:
-    """Whether the graph being built is ``graph`` or a function inside it (a ``cond`` branch: a loss scale's)."""
+    """Whether the step being built is where ``graph`` was noted: eagerly for an eager note (None); else that
+    graph or a function inside it (a ``cond`` branch: a loss scale's). An eager note never counts in a trace."""
+    if graph is None or tf.executing_eagerly():
+        return graph is None and tf.executing_eagerly()
     current = tf.compat.v1.get_default_graph()
     while current is not None and current is not graph:
         current = getattr(current, "outer_graph", None)
@@ -122,8 +133,8 @@ def _inside(graph) -> bool:
 def _train_step_weighed_by_shares(original, self, data):
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync <= 1 or weighting() != "exact":
-        if weighting() == "exact":
-            note_examples(_count_of(data))  # for hvd.DistributedOptimizer
+        if weighting() == "exact" and _reduces_across_processes(self.optimizer):
+            note_examples(_count_of(data), in_a_train_step=True)  # hvd.DistributedOptimizer weighs by them
         try:
             return original(self, data)
         finally:
@@ -145,6 +156,12 @@ def _train_step_weighed_by_shares(original, self, data):
             f"({type(self.optimizer).__name__}): its gradients would be as many times too large. Set "
             f"{ENV}=keras for Keras' weighting, and report this to tfdist.")
     return outputs
+
+
+def _reduces_across_processes(optimizer) -> bool:
+    """Whether ``optimizer`` (or a LossScaleOptimizer's inner one) is a tfdist.horovod DistributedOptimizer."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return any(getattr(o, "_tfdist_reduction", None) is not None for o in (optimizer, inner))
 
 
 def _count_of(data) -> tf.Tensor:
@@ -209,7 +226,9 @@ def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:
     """This replica's part of the global batch's mean loss: the weighted sum over its examples divided by the
     global batch's example count (its replicas' counts all-reduced), so every example weighs as on one device
     however the batch split. ``tf.nn.compute_average_loss`` without ``global_batch_size``; call it in
-    ``strategy.run`` and add ``tf.nn.scale_regularization_loss(...)`` for regularization.
+    ``strategy.run`` and add ``tf.nn.scale_regularization_loss(...)`` for regularization. Under tfdist.horovod
+    (no strategy) it is this process's mean, and, called inside the ``tf.GradientTape`` whose gradients a
+    ``DistributedGradientTape`` reduces, it makes that reduction weigh each process by its examples.
 
     Raises:
         ValueError: a scalar ``per_example_loss`` (it needs one value per example).

@@ -370,7 +370,7 @@ class _ShardSlot(backend.Variable):
     def numpy(self):
         return self.whole()
 
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
         return np.asarray(self.whole(), dtype=dtype)
 
     def _serialize_to_tensors(self):
