@@ -31,6 +31,19 @@ def linear_model():
     return model
 
 
+def tape_function_loop(model, optimizer, x, y):
+    """A tf.function step whose DistributedGradientTape is made inside it, over x, y in batches of JOIN_BATCH."""
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        tape = hvd.DistributedGradientTape(tape)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    for i in range(0, len(x), common.JOIN_BATCH):
+        step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+
+
 # 1. model.fit with DistributedOptimizer, then join.
 x, y = common.join_data(r, FIT_BATCHES[r])
 model = linear_model()
@@ -95,16 +108,7 @@ if r == 0:
     tfdist.compute_average_loss(tf.reduce_sum(tf.square(model(x) - y), axis=1))
 
 
-@tf.function
-def step_after_validation(xb, yb):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb) - yb))
-    tape = hvd.DistributedGradientTape(tape)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-
-for i in range(0, len(x), common.JOIN_BATCH):
-    step_after_validation(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+tape_function_loop(model, optimizer, x, y)
 payload["validated_weights"] = [w.tolist() for w in model.get_weights()]
 hvd.join()
 
@@ -140,16 +144,7 @@ model = linear_model()
 optimizer = keras.optimizers.SGD(common.JOIN_LR)
 
 
-@tf.function
-def tape_step(xb, yb):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb) - yb))
-    tape = hvd.DistributedGradientTape(tape)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-
-for i in range(0, len(x), common.JOIN_BATCH):
-    tape_step(x[i:i + common.JOIN_BATCH], y[i:i + common.JOIN_BATCH])
+tape_function_loop(model, optimizer, x, y)
 payload["retrace_weights"] = [w.tolist() for w in model.get_weights()]
 
 # 6. The same with an Embedding (sparse gradients, all-gathered) and a DistributedOptimizer.
