@@ -56,18 +56,7 @@ payload["fit_weights"] = [w.tolist() for w in model.get_weights()]
 x, y = common.join_data(r + 2, LOOP_STEPS[r])
 model = linear_model()
 optimizer = keras.optimizers.SGD(common.JOIN_LR)
-
-
-@tf.function
-def step(xb, yb):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(xb) - yb))
-    tape = hvd.DistributedGradientTape(tape)
-    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-
-
-for i in range(LOOP_STEPS[r]):
-    step(x[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH], y[i * common.JOIN_BATCH:(i + 1) * common.JOIN_BATCH])
+tape_function_loop(model, optimizer, x, y)  # LOOP_STEPS[r] steps
 payload["loop_last"] = int(hvd.join().numpy())  # no broadcast: join made the tape's variables equal
 payload["loop_weights"] = [w.tolist() for w in model.get_weights()]
 
