@@ -106,7 +106,7 @@ def distribute_optimizer(cell: Cell, optimizer):
                                         shard_optimizer_state=cell.state == "sharded")
     if cell.mode.startswith("hvd_tape"):
         return optimizer
-    if cell.mode == "fit" and cell.wire == "none":
+    if cell.mode in matrix.FIT_MODES and cell.wire == "none":
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return keras.optimizers.LossScaleOptimizer(
@@ -152,7 +152,7 @@ def train_reference(cell: Cell, initial, x, y, w, sizes):
     model = build_model(cell)
     model.set_weights(initial)
     optimizer = make_optimizer(cell)
-    if cell.mode in ("fit", "hvd_fit"):
+    if cell.mode in (*matrix.FIT_MODES, "hvd_fit"):
         model.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
         model.fit(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(GLOBAL_BATCH), epochs=1, verbose=0)
     else:
@@ -164,23 +164,33 @@ def train_reference(cell: Cell, initial, x, y, w, sizes):
 
 
 def train_mirrored(cell: Cell, strategy, initial, x, y, w):
-    """fit or a custom loop on ``strategy``; tf.data splits each global batch over the replicas."""
+    """fit or a custom loop on ``strategy`` (data_parallel: keras.distribution's DataParallel over its devices);
+    tf.data splits each global batch over the replicas."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(GLOBAL_BATCH)
-    with strategy.scope(), sharding.scoped(cell.state == "sharded"):  # what tfdist.scope(shard_optimizer_state=) sets
+    with _scope(cell, strategy), sharding.scoped(cell.state == "sharded"):  # as tfdist.scope(shard_optimizer_state=)
         model = build_model(cell)
         model.set_weights(initial)
         optimizer = distribute_optimizer(cell, make_optimizer(cell))
-        if cell.mode == "fit":
+        if cell.mode in matrix.FIT_MODES:
             model.compile(optimizer=optimizer, loss="mse")
         else:
             optimizer.build(model.trainable_variables)
-    if cell.mode == "fit":
+    if cell.mode in matrix.FIT_MODES:
+        assert model.distribute_strategy.num_replicas_in_sync == 2, model.distribute_strategy
         model.fit(dataset, epochs=1, verbose=0)
     else:
         step = make_step(model, optimizer, strategy=strategy)
         for batch in strategy.experimental_distribute_dataset(dataset):
             step(*batch)
     return model, _trained_by(model, optimizer)
+
+
+def _scope(cell: Cell, strategy):
+    """Where the model is built: the strategy's scope, or keras.distribution's DataParallel over its devices."""
+    if cell.mode != "data_parallel":
+        return strategy.scope()
+    devices = [d.rsplit("device:", 1)[1].lower() for d in strategy.extended.worker_devices]
+    return keras.distribution.DataParallel(devices=devices).scope()
 
 
 def rank_share(x, y, w, sizes, rank: int):

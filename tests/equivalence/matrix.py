@@ -16,9 +16,10 @@ import re
 from typing import Callable, Iterable
 
 # The ways a user trains: Keras fit under tfdist's strategy, a custom loop (strategy.run with
-# tfdist.DistributedOptimizer), and tfdist.horovod (DistributedOptimizer in fit,
+# tfdist.DistributedOptimizer), Keras fit under keras.distribution's DataParallel (Keras' own API,
+# which tfdist runs on the same devices), and tfdist.horovod (DistributedOptimizer in fit,
 # DistributedGradientTape in a tf.function step and in an eager loop).
-SINGLE_PROCESS_MODES = ("fit", "custom_loop")      # one process, 2 logical CPUs, MirroredStrategy
+SINGLE_PROCESS_MODES = ("fit", "custom_loop", "data_parallel")  # one process, 2 logical CPUs
 MULTI_WORKER_MODES = ("hvd_fit", "hvd_tape_function", "hvd_tape_eager")  # 2 worker processes
 
 DIMENSIONS: dict[str, tuple[str, ...]] = {
@@ -39,6 +40,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "state": ("whole", "sharded"),
 }
 NAMES = tuple(DIMENSIONS)
+FIT_MODES = ("fit", "data_parallel")  # Keras fit on one process's replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,7 @@ EXCLUSIONS: list[tuple[Callable[[Cell], bool], str]] = [
 # error's pattern, why).
 ERRORS_BY_DESIGN: list[tuple[Callable[[Cell], bool], str, str]] = [
     (lambda c: c.optimizer == "multi_optimizer" and (c.mode in ("custom_loop", "hvd_fit")
-                                                     or (c.mode == "fit" and c.wire == "fp16")),
+                                                     or (c.mode in FIT_MODES and c.wire == "fp16")),
      r"DistributedOptimizer wraps one optimizer; received a MultiOptimizer",
      "a DistributedOptimizer rebuilds its optimizer from the config, which a MultiOptimizer's is not; the error "
      "says to wrap the inner optimizers (a MultiOptimizer under tfdist.scope() alone is exact)"),
