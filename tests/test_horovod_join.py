@@ -129,3 +129,27 @@ def test_join_refuses_ranks_whose_tape_loops_differentiated_different_variables(
     with pytest.raises(ValueError, match=r"hvd\.join\(\): the ranks' DistributedGradientTape loops differentiated "
                                          r"different variables \(rank 0: 0, rank 1: 2 variables\)"):
         uneven.join(TwoRanks())
+
+
+def test_metric_average_callback_weighs_every_rank_by_its_examples(job):
+    """Rank 0: 8 training and 6 validation examples, rank 1: 5 and 3. The averaged loss and val_loss equal one
+    device's over the 13 and 9 examples (Horovod's mean of the ranks' means would not)."""
+    import tensorflow as tf
+
+    x0, y0 = common.join_data(14, 2)
+    vx, vy = common.join_data(15, 2)
+    x1, y1 = x0[:5], y0[:5]
+    batches = [(np.concatenate([x0[:4], x1[:4]]), np.concatenate([y0[:4], y1[:4]])),
+               (np.concatenate([x0[4:8], x1[4:5]]), np.concatenate([y0[4:8], y1[4:5]]))]
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.set_weights(common.join_start())
+    model.compile(keras.optimizers.SGD(common.JOIN_LR), "mse")
+    losses = [float(model.train_on_batch(bx, by)) for bx, by in batches]
+    val_x, val_y = np.concatenate([vx[:6], vx[:3]]), np.concatenate([vy[:6], vy[:3]])
+    val_loss = float(model.evaluate(tf.constant(val_x), tf.constant(val_y), verbose=0))
+    for rank in (0, 1):
+        logs = job.results[rank]["averaged_logs"]
+        np.testing.assert_allclose(logs["loss"], (8 * losses[0] + 5 * losses[1]) / 13, rtol=1e-5)
+        np.testing.assert_allclose(logs["val_loss"], val_loss, rtol=1e-5)
+        for got, want in zip(job.results[rank]["averaged_weights"], model.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -73,21 +73,51 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """Averages the epoch's logged numbers over all workers, in place.
+    """Averages the epoch's logged numbers over all workers, each weighed by its examples, in place.
 
-    Each worker may compute metrics on its own data (custom metrics, values added by other
-    callbacks); afterwards every worker logs the same mean. It must come before the
-    callbacks that read the logs: ReduceLROnPlateau, TensorBoard, EarlyStopping and the
-    checkpoint callbacks (a ``save_best_only`` decision that differs between workers would
-    desynchronise their collective saves).
+    Each worker may compute metrics on its own data (tfdist.horovod: its shard; custom metrics,
+    values added by other callbacks); afterwards every worker logs the same average. A worker's
+    training numbers weigh by the examples it trained on in the epoch, its ``val_`` numbers by
+    the examples it validated on (its loss tracker's counts), so a loss or a mean metric is the
+    one-device figure over every worker's examples however unevenly the data split (Horovod
+    averages the workers' means). It must come before the callbacks that read the logs: ReduceLROnPlateau,
+    TensorBoard, EarlyStopping and the checkpoint callbacks (a ``save_best_only`` decision that
+    differs between workers would desynchronise their collective saves).
     """
+
+    def __init__(self):
+        super().__init__()
+        self._trained = None  # this epoch's training examples, read when its validation starts
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._trained = None
+
+    def on_test_begin(self, logs=None):
+        self._trained = self._examples()  # before evaluate resets the trackers
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
-        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
-        averaged = collectives.allreduce(np.array([float(logs[k]) for k in keys], np.float64), op="mean")
-        logs.update({k: float(v) for k, v in zip(keys, averaged)})
+        trained = self._examples() if self._trained is None else self._trained
+        validated = self._examples() if self._trained is not None else 0.0
+        _average(logs, lambda key: validated if key.startswith("val_") else trained)
+
+    def _examples(self) -> float:
+        """The examples the model's loss tracker counted since its last reset (0 without one)."""
+        tracker = getattr(self.model, "_loss_tracker", None)
+        return float(np.asarray(tracker.count)) if tracker is not None else 0.0
+
+
+def _average(logs: dict, examples: Callable[[str], float]) -> None:
+    """Every worker's numeric ``logs`` become their average over the workers, each weighed by ``examples(key)``
+    (a plain mean where no worker counted any)."""
+    keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
+    weights = np.array([examples(k) for k in keys], np.float64)
+    values = np.array([float(logs[k]) for k in keys], np.float64)
+    sums = collectives.allreduce(np.concatenate([values * weights, weights, values, [1.0]]), op="sum")
+    weighed, total, plain = np.split(sums[:-1], 3)
+    averaged = np.where(total > 0, weighed / np.where(total > 0, total, 1.0), plain / sums[-1])
+    logs.update({k: float(v) for k, v in zip(keys, averaged)})
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):

@@ -197,4 +197,16 @@ for _ in range(2):
 payload["fp16_loss_scale"] = {"steps": int(optimizer.inner_optimizer.iterations.numpy()),
                               "scale": float(optimizer.dynamic_scale.numpy()), "weights": variable.numpy().tolist()}
 
+# 9. Uneven shards, fit with MetricAverageCallback: rank 0 trains on 8 examples and validates on 6,
+# rank 1 on 5 and 3 (2 steps each: batches of 4 and 4, 4 and 1); the averaged figures weigh every example.
+x, y = common.join_data(14, 2)
+x, y = (x, y) if r == 0 else (x[:5], y[:5])
+vx, vy = common.join_data(15, 2)
+vx, vy = (vx[:6], vy[:6]) if r == 0 else (vx[:3], vy[:3])
+model = linear_model()
+model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(common.JOIN_LR)), "mse")
+history = model.fit(x, y, batch_size=common.JOIN_BATCH, validation_data=(vx, vy), epochs=1, shuffle=False,
+                    verbose=0, callbacks=[hvd.callbacks.MetricAverageCallback()])
+payload["averaged_logs"] = {k: v[0] for k, v in history.history.items()}
+payload["averaged_weights"] = [w.tolist() for w in model.get_weights()]
 common.write_result(out_dir, payload)
