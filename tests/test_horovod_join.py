@@ -153,3 +153,9 @@ def test_metric_average_callback_weighs_every_rank_by_its_examples(job):
         np.testing.assert_allclose(logs["val_loss"], val_loss, rtol=1e-5)
         for got, want in zip(job.results[rank]["averaged_weights"], model.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_without_validation_data_logs_the_others_val_loss(job):
+    first, second = job.results[0]["one_validates"], job.results[1]["one_validates"]
+    assert first == second and set(first) == {"loss", "val_loss"}
+    np.testing.assert_allclose(first["val_loss"], job.results[0]["one_validates_own"], rtol=1e-6)

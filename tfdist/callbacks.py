@@ -78,29 +78,33 @@ class MetricAverageCallback(keras.callbacks.Callback):
     Each worker may compute metrics on its own data (tfdist.horovod: its shard; custom metrics,
     values added by other callbacks); afterwards every worker logs the same average. A worker's
     training numbers weigh by the examples it trained on in the epoch, its ``val_`` numbers by
-    the examples it validated on (its loss tracker's counts), so a loss or a mean metric is the
-    one-device figure over every worker's examples however unevenly the data split (Horovod
-    averages the workers' means). It must come before the callbacks that read the logs: ReduceLROnPlateau,
-    TensorBoard, EarlyStopping and the checkpoint callbacks (a ``save_best_only`` decision that
-    differs between workers would desynchronise their collective saves).
+    the examples it validated on (its loss tracker's counts), so the loss and the metrics that
+    average over examples are the one-device figures over every worker's examples however
+    unevenly the data split (Horovod averages the workers' means); ``weighted_metrics`` average
+    over sample weights, which the counts do not see. A worker without a figure (no validation
+    data) takes the others'. It must come before the callbacks that read the logs or evaluate
+    the model: ReduceLROnPlateau, TensorBoard, EarlyStopping and the checkpoint callbacks (a
+    ``save_best_only`` decision that differs between workers would desynchronise their
+    collective saves).
     """
 
     def __init__(self):
         super().__init__()
-        self._trained = None  # this epoch's training examples, read when its validation starts
+        self._trained = self._validated = None  # this epoch's examples, read around its validation
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._trained = None
+        self._trained = self._validated = None
 
     def on_test_begin(self, logs=None):
-        self._trained = self._examples()  # before evaluate resets the trackers
+        self._trained = self._examples()  # before fit's validation resets the trackers
+
+    def on_test_end(self, logs=None):
+        self._validated = self._examples()  # before a callback's own evaluate resets them again
 
     def on_epoch_end(self, epoch, logs=None):
-        if not logs:
-            return
         trained = self._examples() if self._trained is None else self._trained
-        validated = self._examples() if self._trained is not None else 0.0
-        _average(logs, lambda key: validated if key.startswith("val_") else trained)
+        validated = self._validated or 0.0
+        _average({} if logs is None else logs, lambda key: validated if key.startswith("val_") else trained)
 
     def _examples(self) -> float:
         """The examples the model's loss tracker counted since its last reset (0 without one)."""
@@ -110,14 +114,24 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 def _average(logs: dict, examples: Callable[[str], float]) -> None:
     """Every worker's numeric ``logs`` become their average over the workers, each weighed by ``examples(key)``
-    (a plain mean where no worker counted any)."""
-    keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
-    weights = np.array([examples(k) for k in keys], np.float64)
-    values = np.array([float(logs[k]) for k in keys], np.float64)
-    sums = collectives.allreduce(np.concatenate([values * weights, weights, values, [1.0]]), op="sum")
-    weighed, total, plain = np.split(sums[:-1], 3)
-    averaged = np.where(total > 0, weighed / np.where(total > 0, total, 1.0), plain / sums[-1])
+    (a plain mean where no worker counted any); a key some workers lack averages over those that have it."""
+    mine = {k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number)}
+    keys = _every_workers_keys(mine)
+    present = np.array([k in mine for k in keys], np.float64)
+    values = np.array([float(logs[k]) if k in mine else 0.0 for k in keys], np.float64)
+    weights = np.array([examples(k) if k in mine else 0.0 for k in keys], np.float64)
+    sums = collectives.allreduce(np.concatenate([np.where(weights > 0, values * weights, 0.0), weights, values,
+                                                 present]), op="sum")
+    weighed, total, plain, having = np.split(sums, 4)
+    averaged = np.where(total > 0, weighed / np.where(total > 0, total, 1.0), plain / np.where(having > 0, having, 1))
     logs.update({k: float(v) for k, v in zip(keys, averaged)})
+
+
+def _every_workers_keys(mine: set[str]) -> list[str]:
+    """The union of every worker's keys, sorted (one allgather of their names)."""
+    names = np.frombuffer("".join(f"\n{k}" for k in sorted(mine)).encode() or b"\n", np.uint8).astype(np.int32)
+    gathered = collectives.allgather(names)
+    return sorted(k for k in bytes(gathered.astype(np.uint8)).decode().split("\n") if k)
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):

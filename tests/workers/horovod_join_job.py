@@ -209,4 +209,12 @@ history = model.fit(x, y, batch_size=common.JOIN_BATCH, validation_data=(vx, vy)
                     verbose=0, callbacks=[hvd.callbacks.MetricAverageCallback()])
 payload["averaged_logs"] = {k: v[0] for k, v in history.history.items()}
 payload["averaged_weights"] = [w.tolist() for w in model.get_weights()]
+
+# 10. Rank 1 has no validation data (Keras logs no val_ keys there): both ranks log rank 0's val_loss.
+model = linear_model()
+model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(common.JOIN_LR)), "mse")
+history = model.fit(x, y, batch_size=common.JOIN_BATCH, validation_data=(vx[:0], vy[:0]) if r else (vx, vy),
+                    epochs=1, shuffle=False, verbose=0, callbacks=[hvd.callbacks.MetricAverageCallback()])
+payload["one_validates"] = {k: v[0] for k, v in history.history.items()}
+payload["one_validates_own"] = float(model.evaluate(vx, vy, verbose=0)) if r == 0 else None
 common.write_result(out_dir, payload)
