@@ -159,7 +159,8 @@ class GradientReduction:
         """All-reduces ``tensors`` plus the join flag (``tfdist.horovod.uneven``); returns them and the joined count.
 
         ``examples``: this process's examples in the step; each process's gradients then weigh by its share
-        of the processes' examples, as one device weighs every example (``_weigh``).
+        of the processes' examples, as one device weighs every example: the count rides with the join flag
+        (``_count_rides``), or the counts are all-reduced first (``_weigh_apart``).
         """
         group = group_of(self.process_set, "DistributedOptimizer")
         op, flags = self.op, [tf.constant(joined, tf.float32)] if group.size > 1 else []

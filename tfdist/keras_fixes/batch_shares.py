@@ -45,11 +45,11 @@ import threading
 
 import tensorflow as tf
 from keras.src import tree
-from tensorflow.python.eager import record
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as trainer_module
+from tensorflow.python.eager import record
 
 from tfdist import compression as compression_lib  # the module: it may be importing still (it imports Keras)
 from tfdist.patching import Patch
@@ -121,8 +121,10 @@ def examples_to_weigh() -> tf.Tensor | None:
 def _inside(graph) -> bool:
     """Whether the step being built is where ``graph`` was noted: eagerly for an eager note (None); else that
     graph or a function inside it (a ``cond`` branch: a loss scale's). An eager note never counts in a trace."""
-    if graph is None or tf.executing_eagerly():
-        return graph is None and tf.executing_eagerly()
+    if graph is None:
+        return tf.executing_eagerly()
+    if tf.executing_eagerly():
+        return False
     current = tf.compat.v1.get_default_graph()
     while current is not None and current is not graph:
         current = getattr(current, "outer_graph", None)
@@ -131,9 +133,9 @@ def _inside(graph) -> bool:
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "train_step", ("self", "data"))
 def _train_step_weighed_by_shares(original, self, data):
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync <= 1 or weighting() != "exact":
-        if weighting() == "exact" and _reduces_across_processes(self.optimizer):
+    context, exact = tf.distribute.get_replica_context(), weighting() == "exact"
+    if context is None or context.num_replicas_in_sync <= 1 or not exact:
+        if exact and _reduces_across_processes(self.optimizer):
             note_examples(_count_of(data), in_a_train_step=True)  # hvd.DistributedOptimizer weighs by them
         try:
             return original(self, data)
