@@ -109,6 +109,8 @@ class _Session:
         self.decision: Decision | None = None  # the verdict [main]
         self.closed = False            # [under the lock]
         self.resume_steps = 0          # steps the first training epoch of this fit skips [main]
+        self.resume_data = None        # where its training data starts (a tfdist.data.position.Resume) [main]
+        self.first_epoch = True        # the fit's first training epoch is still to come [main]
         self.resume_armed = False      # the next epoch iterator is the fit's first training one [main]
 
     def key(self, what: str, rank: int | None = None) -> str:
@@ -452,11 +454,12 @@ def exit_if_preempted() -> None:
     end_loop()
 
 
-def resume_at(steps: int) -> None:
-    """Makes the first training epoch of the running ``fit`` start at step ``steps`` (a mid-epoch resume)."""
+def resume_at(steps: int, data=None) -> None:
+    """Makes the first training epoch of the running ``fit`` start at step ``steps`` (a mid-epoch resume);
+    ``data``: where its data starts (a ``tfdist.data.position.Resume``), for the dataset that trains."""
     session = _current("fit")
     if session is not None:
-        session.resume_steps = steps
+        session.resume_steps, session.resume_data = steps, data
 
 
 def arm_resume() -> None:
@@ -464,16 +467,19 @@ def arm_resume() -> None:
     callbacks' ``on_epoch_begin``): it, and no evaluation before it, takes the resume position."""
     session = _current("fit")
     if session is not None:
-        session.resume_armed = bool(session.resume_steps)
+        session.resume_armed = session.first_epoch
 
 
-def take_resume() -> int:
-    """The steps the running ``fit``'s first training epoch skips, once (0 for every other epoch iterator)."""
+def take_resume() -> tuple[int, object] | None:
+    """For the running ``fit``'s first training epoch, once: ``(steps it skips, where its data starts)``
+    (``resume_at``'s; 0 and None for a fit from the start). None for every other epoch iterator."""
     session = _current("fit")
     if session is None or not session.resume_armed:
-        return 0
-    steps, session.resume_steps, session.resume_armed = session.resume_steps, 0, False
-    return steps
+        return None
+    session.first_epoch = session.resume_armed = False
+    taken = (session.resume_steps, session.resume_data)
+    session.resume_steps, session.resume_data = 0, None
+    return taken
 
 
 def armed() -> bool:

@@ -42,14 +42,13 @@ from typing import Callable, Mapping, Sequence, Union
 import tensorflow as tf
 
 from tfdist import cluster as cluster_lib
-from tfdist.data import agreement, records
+from tfdist.data import agreement, epochs, records
 from tfdist.data.records import DataError
 from tfdist.errors import ShardingWarning
 
 FilePattern = Union[str, Sequence[str]]
 # The file-order seed when none is given: a constant, so all workers agree without talking.
 _DEFAULT_FILE_SEED = 20261122
-_MAX_OPEN_FILES = 16
 # File caches this process has handed out: a lock file found before the first hand-out is stale.
 _CACHES_IN_USE: set[str] = set()
 
@@ -119,41 +118,22 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     _check_arguments(shuffle_buffer, image_size, repeat, seed, cache)
     pipelines = input_context.num_input_pipelines if input_context else 1
     paths, counts = _listed_alike_on_every_worker(file_pattern, skip_corrupt, pipelines)
-    pipeline_id = input_context.input_pipeline_id if input_context else 0
-    record_level = _record_level_sharding(len(paths), pipelines)
+    _warn_if_record_level(len(paths), pipelines)
     ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
-    file_seed = _DEFAULT_FILE_SEED if seed is None else seed
-    path_list, count_list = tf.constant(paths), tf.constant(counts, tf.int64)
-
-    def read_file(path, count):
-        file_records = tf.data.TFRecordDataset(path).take(count)
-        if skip_corrupt:  # a damaged payload passes the header check: skip it as it is read, and log it
-            file_records = file_records.ignore_errors(log_warning=True)
-        return file_records.shard(pipelines, pipeline_id) if record_level else file_records
-
-    def epoch_records(epoch):
-        """This pipeline's records of one epoch, file by file (interleaved), before the record shuffle."""
-        order = _file_order(len(paths), file_seed, epoch) if shuffle else tf.range(len(paths))
-        files = tf.data.Dataset.from_tensor_slices((tf.gather(path_list, order), tf.gather(count_list, order)))
-        if pipelines > 1 and not record_level:
-            files = files.shard(pipelines, pipeline_id)
-        return files.interleave(read_file, cycle_length=min(len(paths), _MAX_OPEN_FILES),
-                                num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
-
-    def shuffled(records):
-        return records.shuffle(shuffle_buffer, seed=seed) if shuffle else records
-
+    files = epochs.Files(tuple(paths), tuple(counts), _DEFAULT_FILE_SEED if seed is None else seed, seed is not None,
+                         shuffle, shuffle_buffer, ordered, skip_corrupt)
+    pipeline_id = input_context.input_pipeline_id if input_context else 0
     if cache or not repeat:  # the same files every epoch (a cache replays the first), records reshuffled
-        dataset = epoch_records(tf.constant(0, tf.int64))
+        dataset = epochs.unshuffled(files, tf.constant(0, tf.int64), pipeline_id, pipelines,
+                                    epochs.records(files, pipeline_id, pipelines))
         if cache:
-            settings = [counts, file_seed, shuffle, skip_corrupt]
+            settings = [counts, files.seed, shuffle, skip_corrupt]
             dataset = dataset.cache("" if cache is True else _cache_path(cache, pipeline_id, pipelines, paths, settings))
-        dataset = shuffled(dataset)
+        dataset = dataset.shuffle(shuffle_buffer, seed=seed) if shuffle else dataset
         if repeat:
             dataset = dataset.repeat(None if repeat is True else repeat)
-    else:  # a new file order each epoch; each epoch's records shuffled apart from the next epoch's
-        epochs = tf.data.Dataset.counter() if repeat is True else tf.data.Dataset.range(repeat)
-        dataset = epochs.flat_map(lambda epoch: shuffled(epoch_records(epoch)))
+    else:  # a new file order each epoch, each epoch shuffled apart; a resumed fit starts where its backup was
+        dataset = epochs.Starts(files, pipeline_id, pipelines, batch_size).dataset(None if repeat is True else repeat)
     dataset = dataset.batch(batch, drop_remainder=bool(repeat) if drop_remainder is None else drop_remainder)
     decode = batch_parser(paths[0], features=features, image_size=image_size, augment=augment, seed=seed,
                           parse_fn=parse_fn)
@@ -205,13 +185,6 @@ def per_pipeline_batch_size(batch_size: int, input_context: tf.distribute.InputC
         raise DataError(f"The global batch_size={batch_size} does not divide by the {replicas} replicas in sync: "
                         f"pass a multiple of {replicas}, e.g. {max(1, batch_size // replicas) * replicas}.")
     return batch_size // replicas
-
-
-def _file_order(num_files: int, seed: int, epoch: tf.Tensor) -> tf.Tensor:
-    """The files' order in ``epoch``: a permutation from stateless random numbers, so a pure function of
-    ``(seed, epoch)``. tf.data's ``shuffle(seed=...)`` mixes its seed with the process's global seed."""
-    keys = tf.random.stateless_uniform([num_files], seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
-    return tf.argsort(keys, stable=True)
 
 
 def _cache_path(prefix: str, pipeline_id: int, pipelines: int, paths: list[str], settings: list) -> str:
@@ -310,14 +283,13 @@ def _listed_alike_on_every_worker(file_pattern: FilePattern, skip_corrupt: bool,
     return paths, counts
 
 
-def _record_level_sharding(num_files: int, pipelines: int) -> bool:
+def _warn_if_record_level(num_files: int, pipelines: int) -> None:
     if num_files >= pipelines:
-        return False
+        return
     warnings.warn(f"{num_files} file(s) for {pipelines} input pipelines: every pipeline reads every file and keeps "
                   f"1 record in {pipelines} (record-level sharding), which reads all data {pipelines} times. Write at "
                   f"least {pipelines} files (write_tfrecords(num_shards={pipelines}) or more) so each reads whole files.",
                   ShardingWarning, stacklevel=3)
-    return True
 
 
 def batch_parser(path: str, *, features: Mapping[str, object] | Sequence[str] | None = None,

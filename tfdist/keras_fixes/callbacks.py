@@ -40,6 +40,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
 from tfdist import atomic_files, events, preemption, process_group
+from tfdist.data import position
 from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
@@ -48,7 +49,8 @@ patch = Patch(
     without="Keras' ModelCheckpoint, BackupAndRestore, TensorBoard and CSVLogger race on one path from every "
             "worker, and EarlyStopping/ReduceLROnPlateau may decide differently per worker (a hang).")
 
-STEPS_DONE = "steps_done_in_epoch"  # tfdist's key in training_metadata.json
+STEPS_DONE = "steps_done_in_epoch"  # tfdist's keys in training_metadata.json
+LAYOUTS = "data_layouts_in_epoch"
 _REPORTS_LAST_BATCH = Version(keras.__version__) >= Version("3.11")
 
 
@@ -112,6 +114,8 @@ def _save_on_every_worker_keep_the_chiefs(original, self, epoch, batch, logs):
 def _track_epoch(original, self, epoch, logs=None):
     self._current_epoch = epoch  # Keras sets it only at epoch end: a mid-epoch backup must know its epoch
     self._tfdist_steps_done = 0
+    restored = getattr(self, "_tfdist_restored", None)  # the runs that trained part of a resumed epoch
+    self._tfdist_layouts = list(restored.layouts) if restored is not None and restored.epoch == epoch else []
     original(self, epoch, logs)
 
 
@@ -144,7 +148,7 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
         atomic_files.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
         atomic_files.write_text(metadata, json.dumps({
             "epoch": self._current_epoch, "batch": self._last_batch_seen,
-            STEPS_DONE: getattr(self, "_tfdist_steps_done", 0),
+            STEPS_DONE: getattr(self, "_tfdist_steps_done", 0), LAYOUTS: _layouts(self),
             callback_state.KEY: callback_state.snapshot(getattr(self, "_tfdist_callbacks", ()))}))
     events.span("save", "BackupAndRestore", began, epoch=self._current_epoch,
                 steps_done=getattr(self, "_tfdist_steps_done", 0))
@@ -154,13 +158,26 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
 def _restore_and_resume_mid_epoch(original, self, logs=None):
     original(self, logs)  # Keras restores the weights and the epoch
     path = self._training_metadata_path
-    with_steps = atomic_files.is_local(path) and os.path.exists(path)
-    done = json.load(open(path)).get(STEPS_DONE, 0) if with_steps else 0
-    steps = self.params.get("steps")
+    metadata = json.load(open(path)) if atomic_files.is_local(path) and os.path.exists(path) else {}
+    done, layouts, steps = metadata.get(STEPS_DONE, 0), metadata.get(LAYOUTS, []), self.params.get("steps")
     if done and steps and done >= steps:  # saved at an epoch's last step: never replay it empty
         self.model._initial_epoch += 1
-        done = 0
-    preemption.resume_at(done)
+        done, layouts = 0, []
+    epoch = getattr(self.model, "_initial_epoch", None)
+    self._tfdist_restored = position.Resume(epoch, done, tuple(map(tuple, layouts))) if epoch is not None else None
+    preemption.resume_at(done, self._tfdist_restored)
+
+
+def _layouts(callback) -> list[list[int]]:
+    """The runs that trained the current epoch so far: ``[input pipelines, steps done at its end]`` each
+    (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist dataset trains."""
+    pipelines, done = position.training_pipelines(), getattr(callback, "_tfdist_steps_done", 0)
+    if pipelines is None or not done:
+        return []
+    earlier = [list(layout) for layout in getattr(callback, "_tfdist_layouts", [])]
+    if len(earlier) == 1 and earlier[0][0] == pipelines:  # this run went on with the same stream
+        earlier = []
+    return earlier + [[pipelines, done]]
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
@@ -177,18 +194,26 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
 
 @patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
 def _skip_steps_the_backup_had_done(original, self):
-    """The first training epoch after a mid-epoch resume (``tfdist.preemption.resume_at``): consume its done
-    steps' data, then go on."""
-    skip = preemption.take_resume()
-    for item in original(self):  # (step, iterator) before Keras 3.11, (begin, end, iterator) since
-        if item[0] + self.steps_per_execution <= skip:
-            try:
-                for _ in range(self.steps_per_execution):
-                    next(item[-1])
-            except (StopIteration, tf.errors.OutOfRangeError):
-                return  # a dataset of unknown length saved at its epoch's last step: that epoch was complete
-            continue
-        yield item
+    """A fit's first training epoch: its ``tfdist.data`` dataset starts where the backup was
+    (``tfdist.data.position``, open until the first step has pulled its data); after a mid-epoch resume
+    (``tfdist.preemption.resume_at``) it consumes its done steps' data, then goes on."""
+    resume = preemption.take_resume()
+    if resume is None:
+        yield from original(self)
+        return
+    skip, data = resume
+    with position.opened(position.Start(data, self.steps_per_epoch)):
+        for index, item in enumerate(original(self)):  # (step, iterator) before Keras 3.11, (begin, end, iterator)
+            if index == 1:
+                position.close()  # the first step pulled its data: no later iterator (a validation one) takes it
+            if item[0] + self.steps_per_execution <= skip:
+                try:
+                    for _ in range(self.steps_per_execution):
+                        next(item[-1])
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    return  # a dataset of unknown length saved at its epoch's last step: that epoch was complete
+                continue
+            yield item
 
 
 # TensorBoard and CSVLogger -----------------------------------------------------------------------

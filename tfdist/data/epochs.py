@@ -1,0 +1,261 @@
+"""The records each input pipeline of a repeating ``tfrecord_dataset`` reads, epoch by epoch, and where it starts.
+
+An epoch: the files in the epoch's order (a stateless permutation of ``(seed, epoch)``); pipeline p of N
+takes every N-th file of it (every N-th record of each file when there are fewer files than pipelines),
+reads them interleaved, and shuffles the records through a buffer seeded by ``(seed, epoch, p, N)`` alone.
+With ``seed`` given (and reading kept in order), a pipeline's order is a pure function of those, whatever
+the process's own random state: another process, with another worker count, can tell which records a
+pipeline had read after k of them, by running the same pipeline on record numbers (``consumed``).
+
+Where a fit starts (``tfdist.data.position``): a fit resumed at epoch E of a backup reads data epoch E
+(each epoch of the fit is one pass over the records: ``steps_per_epoch`` times the global batch). Resumed
+mid-epoch, it first reads the rest of that epoch: the records no earlier run of the epoch read, in the
+epoch's file order, cut into N contiguous parts of one size, part p for pipeline p, shuffled; before them
+come ``done steps x records per step`` copies of one record, which the fit consumes without training (it
+skips its done steps' batches). So every record of the epoch is trained on once, whichever worker counts
+trained it. Then epochs E + 1, ... as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.data import position
+
+_MAX_OPEN_FILES = 16
+_GRAPH_SEED = 20261128  # the seeded shuffles' graph-level seed, set in their own function graph only
+_EPOCH, _REST = 0, 1  # kinds of shuffle, so that an epoch's rest is ordered apart from a whole epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """A dataset's files and the settings that order their records."""
+
+    paths: tuple[str, ...]
+    counts: tuple[int, ...]
+    seed: int                # the file order's (and, when ``seeded``, the record shuffle's) seed
+    seeded: bool             # the user gave ``seed``: the record shuffle is a function of it
+    shuffle: bool
+    buffer: int
+    ordered: bool            # interleave keeps files' records in order
+    skip_corrupt: bool
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """The number of file f's first record, counting all files' records in ``paths`` order."""
+        return np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.counts))
+
+    @property
+    def replayable(self) -> bool:
+        """Whether another process can tell which records a pipeline read (see the module's docstring)."""
+        return not self.shuffle or (self.seeded and self.ordered)
+
+
+def file_order(files: Files, epoch: tf.Tensor) -> tf.Tensor:
+    """The files' order in ``epoch``: a permutation from stateless random numbers, so a pure function of
+    ``(seed, epoch)``. tf.data's ``shuffle(seed=...)`` mixes its seed with the process's global seed."""
+    if not files.shuffle:
+        return tf.range(len(files.paths), dtype=tf.int64)
+    keys = tf.random.stateless_uniform([len(files.paths)], seed=tf.stack([tf.constant(files.seed, tf.int64), epoch]))
+    return tf.cast(tf.argsort(keys, stable=True), tf.int64)
+
+
+def records(files: Files, pipeline: int, pipelines: int, with_numbers: bool = False):
+    """A function of a file's index to its records (with ``with_numbers``: ``(number, record)`` pairs)."""
+    paths, counts, offsets = tf.constant(files.paths), tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
+    record_level = len(files.paths) < pipelines
+
+    def read(index):
+        count = tf.gather(counts, index)
+        found = tf.data.TFRecordDataset(tf.gather(paths, index)).take(count)
+        if files.skip_corrupt:  # a damaged payload passes the header check: skip it as it is read, and log it
+            found = found.ignore_errors(log_warning=True)
+        if with_numbers:
+            first = tf.gather(offsets, index)
+            found = tf.data.Dataset.zip(tf.data.Dataset.range(first, first + count), found)
+        return found.shard(pipelines, pipeline) if record_level else found
+    return read
+
+
+def numbers(files: Files, pipeline: int, pipelines: int):
+    """A function of a file's index to its records' numbers: what ``records`` reads, without reading."""
+    counts, offsets = tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
+    record_level = len(files.paths) < pipelines
+
+    def read(index):
+        first = tf.gather(offsets, index)
+        found = tf.data.Dataset.range(first, first + tf.gather(counts, index))
+        return found.shard(pipelines, pipeline) if record_level else found
+    return read
+
+
+def unshuffled(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, read) -> tf.data.Dataset:
+    """Pipeline ``pipeline``'s elements of a whole ``epoch``, file by file (interleaved), before the record
+    shuffle; ``read``: ``records`` or ``numbers``."""
+    order = tf.data.Dataset.from_tensor_slices(file_order(files, epoch))
+    if len(files.paths) >= pipelines:
+        order = order.shard(pipelines, pipeline)
+    return order.interleave(read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES),
+                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=files.ordered)
+
+
+def epoch_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, read) -> tf.data.Dataset:
+    """``unshuffled``, shuffled. Build it inside a dataset function (``flat_map``): a seeded shuffle sets that
+    function graph's seed."""
+    return shuffled(unshuffled(files, epoch, pipeline, pipelines, read), files, epoch, pipeline, pipelines, _EPOCH)
+
+
+def rest_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, touched: tf.Tensor,
+                keep: tf.Tensor, read) -> tf.data.Dataset:
+    """Pipeline ``pipeline``'s part of the rest of ``epoch`` (``rest_part``: the ``touched`` files' records
+    whose number ``keep`` marks), shuffled; ``read``: ``records(..., with_numbers=True)`` or ``numbers``."""
+    stream = tf.data.Dataset.from_tensor_slices(touched).interleave(
+        read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES), num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True)
+    if isinstance(stream.element_spec, tuple):
+        stream = stream.filter(lambda number, record: tf.gather(keep, number)).map(lambda number, record: record)
+    else:
+        stream = stream.filter(lambda number: tf.gather(keep, number))
+    return shuffled(stream, files, epoch, pipeline, pipelines, _REST)
+
+
+def shuffled(stream: tf.data.Dataset, files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int,
+             kind: int) -> tf.data.Dataset:
+    """The records shuffled through the buffer; seeded: by ``(seed, epoch, pipeline, pipelines, kind)`` alone."""
+    if not files.shuffle:
+        return stream
+    if not files.seeded:
+        return stream.shuffle(files.buffer)  # the process's own random state, a new order each epoch
+    tf.random.set_seed(_GRAPH_SEED)  # in a function graph: that graph's seed, not the process's
+    key = tf.constant([files.seed, 0], tf.int64)
+    for value in (epoch, pipeline, pipelines, kind):
+        key = tf.random.experimental.stateless_fold_in(key, tf.cast(value, tf.int64))
+    op_seed = tf.random.stateless_uniform([], seed=key, minval=1, maxval=2 ** 31 - 1, dtype=tf.int64)
+    return stream.shuffle(files.buffer, seed=op_seed, reshuffle_each_iteration=False)
+
+
+def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed: np.ndarray):
+    """Pipeline ``pipeline``'s part of the records of ``epoch`` not ``consumed``: ``(touched, keep)``, the
+    indices of the files it reads in the epoch's order and a mask over all records' numbers."""
+    order = file_order(files, tf.constant(epoch, tf.int64)).numpy()
+    offsets = files.offsets
+    left = np.concatenate([np.arange(offsets[f], offsets[f] + files.counts[f])[~consumed[offsets[f]:offsets[f] +
+                                                                                          files.counts[f]]]
+                           for f in order])
+    size, extra = divmod(len(left), pipelines)
+    first = pipeline * size + min(pipeline, extra)
+    mine = left[first:first + size + (pipeline < extra)]
+    keep = np.zeros(files.total, bool)
+    keep[mine] = True
+    touched = np.array([f for f in order if keep[offsets[f]:offsets[f] + files.counts[f]].any()], np.int64)
+    return touched, keep
+
+
+def consumed(files: Files, epoch: int, layouts, global_batch: int) -> np.ndarray:
+    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done)`` each, the
+    first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
+    mask, done = np.zeros(files.total, bool), 0
+    for run, (pipelines, steps) in enumerate(layouts):
+        read = mask.copy()
+        per_step = global_batch // pipelines
+        for pipeline in range(pipelines):
+            if run == 0:
+                def stream(e, pipeline=pipeline, pipelines=pipelines):
+                    return epoch_stream(files, e, pipeline, pipelines, numbers(files, pipeline, pipelines))
+            else:
+                touched, keep = rest_part(files, epoch, pipeline, pipelines, mask)
+
+                def stream(e, pipeline=pipeline, pipelines=pipelines, touched=touched, keep=keep):
+                    return rest_stream(files, e, pipeline, pipelines, tf.constant(touched), tf.constant(keep),
+                                       numbers(files, pipeline, pipelines))
+            taken = tf.data.Dataset.from_tensors(tf.constant(epoch, tf.int64)).flat_map(stream)
+            taken = np.fromiter(taken.take((steps - done) * per_step).as_numpy_iterator(), np.int64)
+            read[taken] = True
+        mask, done = read, steps
+    return mask
+
+
+@dataclasses.dataclass
+class Plan:
+    """Where one pipeline's iterator starts: data epoch ``epoch``; when ``filler``, ``touched`` or ``keep``
+    say so, first ``filler`` copies of a record and then its part of the rest of that epoch."""
+
+    epoch: int = 0
+    filler: int = 0
+    touched: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros([0], np.int64))
+    keep: np.ndarray | None = None
+
+
+class Starts:
+    """The start of a repeating dataset's pipeline: prepared when a fit's first training epoch opens
+    (``tfdist.data.position``), taken when its iterator starts."""
+
+    def __init__(self, files: Files, pipeline: int, pipelines: int, global_batch: int):
+        self.files, self.pipeline, self.pipelines, self.global_batch = files, pipeline, pipelines, global_batch
+        self._prepared: tuple[position.Start, Plan] | None = None
+        position.register(self)
+
+    def prepare(self, start: position.Start) -> None:
+        self._prepared = (start, self._plan(start))
+
+    def take(self):
+        """The plan of this iterator, as the tensors the dataset's ``py_function`` returns."""
+        start = position.take(self.pipelines)
+        plan = self._prepared[1] if start is not None and self._prepared and self._prepared[0] is start else Plan()
+        keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
+        return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
+
+    def _plan(self, start: position.Start) -> Plan:
+        resume = start.resume
+        if resume is None or not (resume.epoch or resume.steps):
+            return Plan()
+        if start.steps_per_epoch is None or start.steps_per_epoch * self.global_batch != self.files.total:
+            self._warn(resume, f"the fit's epoch ({start.steps_per_epoch} steps of a global batch of "
+                               f"{self.global_batch}) is not one pass over the {self.files.total} records; it starts "
+                               "from the data's first epoch")
+            return Plan()
+        if not resume.steps:
+            return Plan(epoch=resume.epoch)
+        if not self.files.replayable:
+            self._warn(resume, "which records the interrupted run read is known only with tfrecord_dataset(seed=...) "
+                               "(and deterministic left None or True); it skips as many records as were read")
+        layouts = resume.layouts or ((self.pipelines, resume.steps),)
+        if layouts == ((self.pipelines, resume.steps),):
+            return Plan(epoch=resume.epoch)  # the fit skips its done steps' batches of this very epoch
+        read = consumed(self.files, resume.epoch, layouts, self.global_batch)
+        touched, keep = rest_part(self.files, resume.epoch, self.pipeline, self.pipelines, read)
+        return Plan(epoch=resume.epoch, filler=resume.steps * (self.global_batch // self.pipelines),
+                    touched=touched, keep=keep)
+
+    def _warn(self, resume: position.Resume, why: str) -> None:
+        if resume.steps and self.pipeline == 0:
+            warnings.warn(f"A fit resumed at step {resume.steps} of epoch {resume.epoch + 1} may read some records "
+                          f"of that epoch twice and others not at all: {why}.", stacklevel=2)
+
+    def dataset(self, epochs: int | None) -> tf.data.Dataset:
+        """The pipeline's records from where its iterator's plan says, through ``epochs`` (None: forever)."""
+        files, pipeline, pipelines = self.files, self.pipeline, self.pipelines
+        end = np.iinfo(np.int64).max if epochs is None else epochs
+
+        def from_plan(_):
+            epoch, filler, touched, keep = tf.py_function(
+                self.take, [], [tf.int64, tf.int64, tf.int64, tf.bool], name="tfdist_data_start")
+            epoch, filler = tf.ensure_shape(epoch, []), tf.ensure_shape(filler, [])
+            touched, keep = tf.ensure_shape(touched, [None]), tf.ensure_shape(keep, [None])
+            resumed = tf.size(keep) > 0  # then the rest of ``epoch`` (no file is touched otherwise)
+            skipped = tf.data.TFRecordDataset(files.paths[0]).take(1).repeat(filler)
+            rest = tf.data.Dataset.from_tensors(epoch).flat_map(
+                lambda e: rest_stream(files, e, pipeline, pipelines, touched, keep,
+                                      records(files, pipeline, pipelines, with_numbers=True)))
+            whole = tf.data.Dataset.range(epoch + tf.cast(resumed, tf.int64), end).flat_map(
+                lambda e: epoch_stream(files, e, pipeline, pipelines, records(files, pipeline, pipelines)))
+            return skipped.concatenate(rest).concatenate(whole)
+        return tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(from_plan)
