@@ -116,7 +116,8 @@ def epoch_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, 
 def rest_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, touched: tf.Tensor,
                 keep: tf.Tensor, read) -> tf.data.Dataset:
     """Pipeline ``pipeline``'s part of the rest of ``epoch`` (``rest_part``: the ``touched`` files' records
-    whose number ``keep`` marks), shuffled; ``read``: ``records(..., with_numbers=True)`` or ``numbers``."""
+    whose number ``keep`` marks), shuffled; ``read``: ``records(files, 0, 1, with_numbers=True)`` or
+    ``numbers(files, 0, 1)`` (every record of a file: ``keep`` alone chooses)."""
     stream = tf.data.Dataset.from_tensor_slices(touched).interleave(
         read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES), num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True)
@@ -175,7 +176,7 @@ def consumed(files: Files, epoch: int, layouts, global_batch: int) -> np.ndarray
 
                 def stream(e, pipeline=pipeline, pipelines=pipelines, touched=touched, keep=keep):
                     return rest_stream(files, e, pipeline, pipelines, tf.constant(touched), tf.constant(keep),
-                                       numbers(files, pipeline, pipelines))
+                                       numbers(files, 0, 1))
             taken = tf.data.Dataset.from_tensors(tf.constant(epoch, tf.int64)).flat_map(stream)
             taken = np.fromiter(taken.take((steps - done) * per_step).as_numpy_iterator(), np.int64)
             read[taken] = True
@@ -195,21 +196,17 @@ class Plan:
 
 
 class Starts:
-    """The start of a repeating dataset's pipeline: prepared when a fit's first training epoch opens
-    (``tfdist.data.position``), taken when its iterator starts."""
+    """The start of a repeating dataset's pipeline: the open window's (``tfdist.data.position``) when its
+    iterator starts within one, else the data's first epoch."""
 
     def __init__(self, files: Files, pipeline: int, pipelines: int, global_batch: int):
         self.files, self.pipeline, self.pipelines, self.global_batch = files, pipeline, pipelines, global_batch
-        self._prepared: tuple[position.Start, Plan] | None = None
-        position.register(self)
-
-    def prepare(self, start: position.Start) -> None:
-        self._prepared = (start, self._plan(start))
 
     def take(self):
-        """The plan of this iterator, as the tensors the dataset's ``py_function`` returns."""
+        """The plan of this iterator, as the tensors the dataset's ``py_function`` returns (it runs as the
+        iterator reads its first element)."""
         start = position.take(self.pipelines)
-        plan = self._prepared[1] if start is not None and self._prepared and self._prepared[0] is start else Plan()
+        plan = Plan() if start is None else self._plan(start)
         keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
         return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
 
@@ -254,7 +251,7 @@ class Starts:
             skipped = tf.data.TFRecordDataset(files.paths[0]).take(1).repeat(filler)
             rest = tf.data.Dataset.from_tensors(epoch).flat_map(
                 lambda e: rest_stream(files, e, pipeline, pipelines, touched, keep,
-                                      records(files, pipeline, pipelines, with_numbers=True)))
+                                      records(files, 0, 1, with_numbers=True)))
             whole = tf.data.Dataset.range(epoch + tf.cast(resumed, tf.int64), end).flat_map(
                 lambda e: epoch_stream(files, e, pipeline, pipelines, records(files, pipeline, pipelines)))
             return skipped.concatenate(rest).concatenate(whole)

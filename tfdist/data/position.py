@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import weakref
 from typing import Iterator
 
 
@@ -38,22 +37,13 @@ class Start:
 
 _lock = threading.Lock()
 _open: Start | None = None
-_readers: weakref.WeakSet = weakref.WeakSet()
 _training_pipelines: int | None = None
-
-
-def register(reader) -> None:
-    """A repeating dataset that can start at a position: it is ``prepare``d when a window opens."""
-    _readers.add(reader)
 
 
 @contextlib.contextmanager
 def opened(start: Start) -> Iterator[None]:
-    """The fit's first training epoch: every registered reader prepares its start; the first whose iterator
-    starts within takes it."""
+    """The fit's first training epoch: the first repeating dataset whose iterator starts within takes ``start``."""
     global _open, _training_pipelines
-    for reader in list(_readers):
-        reader.prepare(start)
     with _lock:
         _open, _training_pipelines = start, None
     try:

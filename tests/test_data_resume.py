@@ -1,0 +1,149 @@
+"""A fit resumed mid-epoch reads the rest of that epoch's records once, whatever worker counts read the start.
+
+In-process cases build each worker's pipeline with its own InputContext and global seed, read the records a
+run would have trained on, and resume the next run where ``BackupAndRestore`` would (``tfdist.data.position``,
+as the resumed fit opens it). The records each run really read are counted; nothing is simulated by the test.
+Two real jobs then do it through ``tfdist run``: 2 workers die mid-epoch, 3 resume and die, 2 finish; and 2
+resume 2. Their model counts how often each record was trained on (see ``resume_records_job.py``).
+"""
+
+import collections
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.jobs import run_job
+from tfdist import data
+from tfdist.data import position
+
+RECORDS, GLOBAL_BATCH = 96, 12
+STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the records
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """The 96 records (label = number) in 6 files and in 2 (fewer files than 3 pipelines: record-level)."""
+    root = tmp_path_factory.mktemp("resume")
+    return {n: data.write_tfrecords({"label": np.arange(RECORDS)}, str(root / str(n)), num_shards=n).pattern
+            for n in (6, 2)}
+
+
+def pipeline(pattern, worker, workers, seed=5, **options):
+    tf.random.set_seed(100 + worker)  # every worker's own global seed
+    context = tf.distribute.InputContext(workers, worker, workers)
+    return data.tfrecord_dataset(pattern, batch_size=GLOBAL_BATCH, input_context=context, repeat=True, seed=seed,
+                                 features=["label"], **options)
+
+
+def first_records(dataset, count):
+    found = []
+    for batch in dataset:
+        found += batch["label"].numpy().tolist()
+        if len(found) >= count:
+            return found[:count]
+
+
+def run(pattern, workers, resume, steps, **options):
+    """What each worker of a run trains on from ``resume`` through step ``steps`` of the epoch: the records
+    after those the resumed fit skips (``resume.steps`` steps' worth)."""
+    per_step = GLOBAL_BATCH // workers
+    trained = []
+    for worker in range(workers):
+        dataset = pipeline(pattern, worker, workers, **options)
+        with position.opened(position.Start(resume, STEPS)):
+            found = first_records(dataset, steps * per_step)
+        trained.append(found[(resume.steps if resume else 0) * per_step:])
+    return trained
+
+
+CHAINS = {  # files: the runs' (workers, steps done when each stopped), the last finishing epoch 2 (index 1)
+    "2_then_3": (6, [(2, 3), (3, STEPS)]),
+    "2_then_3_then_2": (6, [(2, 3), (3, 5), (2, STEPS)]),
+    "3_then_2_then_3": (6, [(3, 2), (2, 7), (3, STEPS)]),
+    "same_count": (6, [(2, 3), (2, 6), (2, STEPS)]),
+    "record_level_3_then_2": (2, [(3, 1), (2, STEPS)]),
+    "2_then_record_level_3": (2, [(2, 5), (3, STEPS)]),
+}
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
+    files, runs = CHAINS[chain]
+    pattern, epoch, seen, layouts, done = shards[files], 1, [], (), 0
+    for workers, steps in runs:
+        resume = position.Resume(epoch, done, layouts) if (done or epoch) else None
+        trained = run(pattern, workers, resume, steps)
+        assert len({len(t) for t in trained}) == 1, [len(t) for t in trained]  # in lock-step
+        seen += [record for worker in trained for record in worker]
+        layouts = tuple(layouts[:-1]) if len(layouts) == 1 and layouts[0][0] == workers else tuple(layouts)
+        layouts, done = layouts + ((workers, steps),), steps
+    assert sorted(seen) == list(range(RECORDS)), collections.Counter(seen).most_common(3)
+
+
+def test_a_resume_at_an_epoch_boundary_reads_that_data_epoch(shards):
+    fresh = first_records(pipeline(shards[6], 0, 2), 2 * RECORDS // 2)
+    resumed = run(shards[6], 2, position.Resume(1, 0, ()), STEPS)[0]
+    assert resumed == fresh[RECORDS // 2:]  # the file order and record shuffle of epoch 2, not of epoch 1
+
+
+def test_the_order_does_not_depend_on_the_process_global_seed(shards):
+    first = first_records(pipeline(shards[6], 1, 3), RECORDS)
+    tf.random.set_seed(7)
+    context = tf.distribute.InputContext(3, 1, 3)
+    again = first_records(data.tfrecord_dataset(shards[6], batch_size=GLOBAL_BATCH, input_context=context,
+                                                repeat=True, seed=5, features=["label"]), RECORDS)
+    assert first == again
+
+
+def test_only_the_first_iterator_in_the_window_takes_the_position(shards):
+    train, validation = pipeline(shards[6], 0, 2), pipeline(shards[6], 0, 2)
+    fresh = first_records(pipeline(shards[6], 0, 2), 2 * RECORDS // 2)
+    with position.opened(position.Start(position.Resume(1, 0, ()), STEPS)):
+        assert first_records(train, 6) == fresh[RECORDS // 2:][:6]
+        assert first_records(validation, 6) == fresh[:6]  # from the start: not the fit's training data
+    assert position.training_pipelines() == 2
+
+
+@pytest.mark.parametrize("why, options, steps_per_epoch", [
+    ("only with tfrecord_dataset\\(seed=...\\)", {"seed": None}, STEPS),
+    ("not one pass over the 96 records", {}, STEPS - 1),
+])
+def test_a_resume_that_cannot_be_exact_says_why(shards, why, options, steps_per_epoch):
+    dataset = pipeline(shards[6], 0, 2, **options)
+    with pytest.warns(UserWarning, match=f"resumed at step 3 of epoch 2 may read some records of that epoch twice "
+                                         f"and others not at all: .*{why}"):
+        with position.opened(position.Start(position.Resume(1, 3, ((3, 3),)), steps_per_epoch)):
+            first_records(dataset, 12)
+
+
+def test_a_fit_from_the_start_warns_nothing(shards):
+    dataset = pipeline(shards[6], 0, 2, seed=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with position.opened(position.Start(None, STEPS)):
+            first_records(dataset, 12)
+
+
+@pytest.fixture(scope="module")
+def job_shards(tmp_path_factory):
+    return data.write_tfrecords({"label": np.arange(RECORDS)}, str(tmp_path_factory.mktemp("job_shards")),
+                                num_shards=6).pattern
+
+
+@pytest.mark.parametrize("runs", [((2, "1:3"), (3, "1:5"), (2, "-")), ((2, "1:3"), (2, "-"))],
+                         ids=["2_then_3_then_2", "2_then_2"])
+def test_a_job_resumed_mid_epoch_trains_on_every_record_once_per_epoch(job_shards, tmp_path, runs):
+    """Keras' BackupAndRestore(save_freq=1); the chief dies right after a step's backup; 2 epochs in all, so
+    every record's row must have fallen by exactly 2 / global batch, on every worker (one device's result)."""
+    for workers, stop in runs:
+        result = run_job("resume_records_job.py", tmp_path, job_shards, str(RECORDS), str(GLOBAL_BATCH), stop,
+                         num_workers=workers, timeout=240)
+        if stop != "-":
+            assert result.returncode != 0 and "worker 0 exited with code 3" in result.output, result.output[-3000:]
+    result.check()
+    assert sorted(result.results) == list(range(runs[-1][0]))
+    for rank, found in result.results.items():
+        times = collections.Counter(round(-row * GLOBAL_BATCH, 4) for row in found["rows"])
+        assert times == {2.0: RECORDS}, (rank, times)
