@@ -68,6 +68,27 @@ def test_workers_train_evaluate_and_predict_uneven_splits_as_one_device(job, exa
         assert got["weights"] == runs[0]["weights"]  # every worker the same bits
 
 
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def hvd_job(request, tmp_path_factory):
+    return run_job("uneven_split_hvd_job.py", tmp_path_factory.mktemp("uneven_hvd"), num_workers=request.param,
+                   timeout=300).check()
+
+
+@pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES)
+def test_horovod_ranks_train_and_predict_uneven_splits_as_one_device(hvd_job, examples, batch, optimizer):
+    """tfdist.horovod: each rank its share of every global batch (a rank out of the last one joins); every
+    example weighs as on one device, and the ranks end bit-equal."""
+    want = common.uneven_run(common.uneven_model(optimizer), examples, batch)
+    runs = [hvd_job.results[rank][f"{examples}/{batch}"] for rank in sorted(hvd_job.results)]
+    for got in runs:
+        for a, b in zip(got["weights"], want["weights"]):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        np.testing.assert_allclose(got["predict"], want["predict"], atol=1e-6)
+        assert got["weights"] == runs[0]["weights"]
+    if examples == 49:  # the last global batch (1 example) is rank 0's alone
+        assert [run["batches"] for run in runs] == [13] + [12] * (len(runs) - 1)
+
+
 def test_workers_custom_loop_with_compute_average_loss_equals_one_device(job):
     for result in job.results.values():
         for got, want in zip(result["loop"], common.uneven_loop_by_hand()):

@@ -9,8 +9,10 @@ list, the pipeline's ``seed`` and the epoch number. The file order of epoch ``e`
 stateless permutation seeded by ``(seed, e)``, so it is the same on every worker
 whatever global seed each process set (``tf.random.set_seed(100 + rank)`` is a common
 idiom); shards of one order are disjoint, and a fresh order each epoch still covers
-every file once. Only the record shuffle inside a shard and augmentation use the
-process's own random state.
+every file once. With ``seed`` given, the record shuffle inside a shard is a function of
+``(seed, epoch, pipeline, pipelines)`` too (``tfdist.data.epochs``), so a fit resumed
+mid-epoch, on any worker count, can read exactly the records its interrupted run had not;
+without, it and augmentation use the process's own random state.
 
 Sharding is file-level when there are at least as many files as input pipelines
 (each pipeline reads whole files) and record-level otherwise (each pipeline reads
@@ -83,8 +85,10 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
             ``shuffle_buffer`` serialized records, a new order each pass or epoch).
         shuffle_buffer: records held for shuffling (memory: this many encoded records).
         seed: the file order's seed, which every worker must share (a constant when
-            None); also makes the record order reproducible (and, with ``deterministic``
-            left None, keeps parallel reading in order). Never derive it from the rank.
+            None); also makes the record order reproducible, whatever the process's global
+            seed (and, with ``deterministic`` left None, keeps parallel reading in order),
+            which a mid-epoch resume needs to skip exactly the records already read. Never
+            derive it from the rank.
         repeat: True repeats forever, an int that many epochs.
         cache: True caches this pipeline's serialized records in memory during the first
             epoch; a string is a path prefix for a file cache: each input pipeline

@@ -104,6 +104,7 @@ class GradientReduction:
         self._flag, self._last_count = join_lib.ACTIVE, None
         self._weighed = False  # the last step weighed each process by its examples (``reduce``)
         self.optimizer = None  # the DistributedOptimizer it belongs to, if any (hvd.join applies its updates)
+        self.reduced_already = False  # hvd.join's stand-in applies gradients it has reduced itself
         self.variables: list = []  # a tape's: the variables its gradients were of (hvd.join makes them equal)
 
     def reduce(self, gradients: list, loss_scale=None) -> list:
@@ -252,8 +253,25 @@ class GradientReduction:
             (tuple(shape), tf.as_dtype(dtype)) for shape, dtype in self._signature]
 
     def _apply_zeros(self) -> tf.Tensor:
+        """The joined rank's step: all-reduce zeros, then apply the others' average, unless every rank has
+        joined (then nobody trained in this round: an apply of zeros would still move Adam's weights)."""
         variables = list(self.optimizer._trainable_variables)
-        self.optimizer.apply([tf.zeros(v.shape, v.dtype) for v in variables], variables)
+        reduced = self.reduce([tf.zeros(v.shape, v.dtype) for v in variables])
+        everyone = self._last_count > group_of(self.process_set, "DistributedOptimizer").size - 0.5
+
+        def apply():
+            self.reduced_already = True
+            try:
+                self.optimizer.apply(reduced, variables)
+            finally:
+                self.reduced_already = False
+            return tf.constant(True)
+
+        if tf.executing_eagerly():
+            if not bool(everyone):
+                apply()
+        else:
+            tf.cond(everyone, lambda: tf.constant(False), apply)
         return self._last_count
 
     def _reduce_zeros(self) -> tf.Tensor:
@@ -297,7 +315,8 @@ class _AllReduceBeforeUpdate:
     def _clip_gradients(self, grads):
         # Keras calls this once per update, with the gradients about to be applied (after
         # local accumulation, before clipping and weight decay): the one place to reduce.
-        return super()._clip_gradients(self._tfdist_reduction.reduce(list(grads)))
+        reduction = self._tfdist_reduction
+        return super()._clip_gradients(list(grads) if reduction.reduced_already else reduction.reduce(list(grads)))
 
     def register_local_var(self, var):
         """Horovod's per-variable opt-out; not supported (every gradient is all-reduced)."""

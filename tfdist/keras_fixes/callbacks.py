@@ -6,7 +6,8 @@ Under a MultiWorkerMirroredStrategy of several workers (rank from the model's st
   worker writes into a private temporary directory it deletes (``tfdist.atomic_files``); writes
   to local paths are atomic. ``BackupAndRestore`` restores the chief's files on every
   worker, a backup taken mid-epoch (``save_freq=N``) resumes at the next batch of
-  that epoch, not at its start, and the epoch it restored ends with its ``fit`` (Keras 3.15
+  that epoch, not at its start (a ``tfdist.data`` dataset with the records not yet read,
+  whatever the worker count: it records the counts that trained the epoch), and the epoch it restored ends with its ``fit`` (Keras 3.15
   keeps it in ``model._initial_epoch``: a later ``fit`` of the model, with any callbacks,
   started at that epoch and trained nothing when it asked for fewer epochs; on one device too).
 * ``TensorBoard``, ``CSVLogger``: other workers write to a private temporary place,
