@@ -147,3 +147,15 @@ def test_a_job_resumed_mid_epoch_trains_on_every_record_once_per_epoch(job_shard
     for rank, found in result.results.items():
         times = collections.Counter(round(-row * GLOBAL_BATCH, 4) for row in found["rows"])
         assert times == {2.0: RECORDS}, (rank, times)
+
+
+def test_a_repeating_dataset_passed_to_fit_without_distribute_can_be_auto_sharded(shards):
+    """``model.fit(tfrecord_dataset(..., repeat=True))`` under a multi-worker strategy: TensorFlow's auto-shard
+    finds no file source (the reading is inside the epochs' functions) and shards by batch, as it did before the
+    dataset learned where to start (a one-element source read as a list of 1 file failed: "not enough for the
+    required 2 shards")."""
+    from tensorflow.python.data.experimental.ops import distribute as tf_distribute
+
+    dataset = data.tfrecord_dataset(shards[6], batch_size=6, repeat=True, seed=5, features=["label"])
+    halves = [first_records(tf_distribute._AutoShardDataset(dataset, 2, index), 48) for index in (0, 1)]
+    assert sorted(halves[0] + halves[1]) == list(range(RECORDS))

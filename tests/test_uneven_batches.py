@@ -74,12 +74,12 @@ def hvd_job(request, tmp_path_factory):
                    timeout=300).check()
 
 
-@pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES)
+@pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES + ((49, 4, "sgd_scaled"),))
 def test_horovod_ranks_train_and_predict_uneven_splits_as_one_device(hvd_job, examples, batch, optimizer):
     """tfdist.horovod: each rank its share of every global batch (a rank out of the last one joins); every
     example weighs as on one device, and the ranks end bit-equal."""
     want = common.uneven_run(common.uneven_model(optimizer), examples, batch)
-    runs = [hvd_job.results[rank][f"{examples}/{batch}"] for rank in sorted(hvd_job.results)]
+    runs = [hvd_job.results[rank][f"{examples}/{batch}/{optimizer}"] for rank in sorted(hvd_job.results)]
     for got in runs:
         for a, b in zip(got["weights"], want["weights"]):
             np.testing.assert_allclose(a, b, atol=1e-6)

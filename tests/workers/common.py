@@ -335,14 +335,16 @@ def uneven_data(examples: int):
 
 
 def uneven_model(optimizer: str):
-    """A seeded MLP with an L2 regularizer (regularization keeps its per-step weight), SGD or Adam."""
+    """A seeded MLP with an L2 regularizer (regularization keeps its per-step weight): SGD, Adam, or SGD with a
+    ``loss_scale_factor`` of 3."""
     import keras
 
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2"),
                               keras.layers.Dense(1)])
-    model.compile(keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.05), "mse",
-                  metrics=["mae"])
+    optimizers = {"adam": lambda: keras.optimizers.Adam(0.01), "sgd": lambda: keras.optimizers.SGD(0.05),
+                  "sgd_scaled": lambda: keras.optimizers.SGD(0.05, loss_scale_factor=3.0)}
+    model.compile(optimizers[optimizer](), "mse", metrics=["mae"])
     return model
 
 

@@ -255,4 +255,6 @@ class Starts:
             whole = tf.data.Dataset.range(epoch + tf.cast(resumed, tf.int64), end).flat_map(
                 lambda e: epoch_stream(files, e, pipeline, pipelines, records(files, pipeline, pipelines)))
             return skipped.concatenate(rest).concatenate(whole)
-        return tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(from_plan)
+        options = tf.data.Options()  # tf.distribute's auto-shard would read this one source as a list of 1 file
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+        return tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).flat_map(from_plan).with_options(options)

@@ -259,12 +259,13 @@ class GradientReduction:
         reduced = self.reduce([tf.zeros(v.shape, v.dtype) for v in variables])
         everyone = self._last_count > group_of(self.process_set, "DistributedOptimizer").size - 0.5
 
-        def apply():
-            self.reduced_already = True
+        def apply():  # what the training ranks apply: their gradients were unscaled before they were reduced
+            optimizer, scale = self.optimizer, self.optimizer.loss_scale_factor
+            self.reduced_already, optimizer.loss_scale_factor = True, None
             try:
-                self.optimizer.apply(reduced, variables)
+                optimizer.apply(reduced, variables)
             finally:
-                self.reduced_already = False
+                self.reduced_already, optimizer.loss_scale_factor = False, scale
             return tf.constant(True)
 
         if tf.executing_eagerly():
