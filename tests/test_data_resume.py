@@ -8,7 +8,11 @@ resume 2. Their model counts how often each record was trained on (see ``resume_
 """
 
 import collections
+import json
+import os
 import warnings
+
+import keras
 
 import numpy as np
 import pytest
@@ -77,8 +81,8 @@ def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
         trained = run(pattern, workers, resume, steps)
         assert len({len(t) for t in trained}) == 1, [len(t) for t in trained]  # in lock-step
         seen += [record for worker in trained for record in worker]
-        layouts = tuple(layouts[:-1]) if len(layouts) == 1 and layouts[0][0] == workers else tuple(layouts)
-        layouts, done = layouts + ((workers, steps),), steps
+        layouts = () if len(layouts) == 1 and layouts[0][0] == workers else layouts  # the same stream went on
+        layouts, done = layouts + ((workers, steps, GLOBAL_BATCH),), steps
     assert sorted(seen) == list(range(RECORDS)), collections.Counter(seen).most_common(3)
 
 
@@ -97,13 +101,16 @@ def test_the_order_does_not_depend_on_the_process_global_seed(shards):
     assert first == again
 
 
-def test_only_the_first_iterator_in_the_window_takes_the_position(shards):
-    train, validation = pipeline(shards[6], 0, 2), pipeline(shards[6], 0, 2)
+def test_every_iterator_started_in_the_window_takes_the_position_and_none_after_it(shards):
+    """Datasets zipped for training (or one pipeline per replica) all start there; once the first batch ended
+    (``position.close``), a validation dataset's iterator starts at its own beginning."""
+    first, second, validation = (pipeline(shards[6], 0, 2) for _ in range(3))
     fresh = first_records(pipeline(shards[6], 0, 2), 2 * RECORDS // 2)
     with position.opened(position.Start(position.Resume(1, 0, ()), STEPS)):
-        assert first_records(train, 6) == fresh[RECORDS // 2:][:6]
-        assert first_records(validation, 6) == fresh[:6]  # from the start: not the fit's training data
-    assert position.training_pipelines() == 2
+        assert first_records(first, 6) == first_records(second, 6) == fresh[RECORDS // 2:][:6]
+        position.close()
+        assert first_records(validation, 6) == fresh[:6]
+    assert position.training_layout() == (2, GLOBAL_BATCH)
 
 
 @pytest.mark.parametrize("why, options, steps_per_epoch", [
@@ -124,6 +131,84 @@ def test_a_fit_from_the_start_warns_nothing(shards):
         warnings.simplefilter("error")
         with position.opened(position.Start(None, STEPS)):
             first_records(dataset, 12)
+
+
+def test_a_changed_global_batch_reads_the_records_not_read_yet_and_says_the_epoch_ends_by_steps(shards):
+    """2 workers at a global batch of 12 read 3 steps; 2 workers at 24 resume: the 36 records read are known by
+    the batch they were read with, and the rest are read once; the steps no longer add up to the records."""
+    read = [r for w in run(shards[6], 2, position.Resume(1, 0, ()), 3) for r in w]
+    pattern, per_step = shards[6], 24 // 2
+    rest = []
+    with pytest.warns(UserWarning, match="steps were of a global batch of 12, this fit's are of 24; it reads the "
+                                         "records not read yet, but its epoch ends by steps, not by records"):
+        for worker in range(2):
+            tf.random.set_seed(worker)
+            dataset = data.tfrecord_dataset(pattern, batch_size=24, input_context=tf.distribute.InputContext(
+                2, worker, 2), repeat=True, seed=5, features=["label"])
+            with position.opened(position.Start(position.Resume(1, 3, ((2, 3, 12),)), RECORDS // 24)):
+                rest += first_records(dataset, 3 * per_step + 30)[3 * per_step:]
+    assert sorted(read + rest) == list(range(RECORDS))
+
+
+def counter_model():
+    """One zero row per record; the loss is the row: SGD(1) lowers a record's row by 1 / batch each time."""
+    ids = keras.Input((), dtype="int64")
+    model = keras.Model(ids, keras.layers.Embedding(RECORDS, 1, embeddings_initializer="zeros")(ids))
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=lambda y, rows: rows)
+    return model
+
+
+class DieAt(keras.callbacks.Callback):
+    def __init__(self, epoch, step):
+        super().__init__()
+        self.at = (epoch, step)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("initial_epoch", [0, 1])
+def test_a_restarted_fit_from_a_given_initial_epoch_trains_each_record_once(shards, tmp_path, initial_epoch):
+    """fit(initial_epoch=1) reads data epoch 1 from its start, as the restart from its backup does: the run
+    killed after 3 steps and the restart train each record once (the restart read epoch 1, the run epoch 0)."""
+    def fit(model, callbacks):
+        dataset = data.tfrecord_dataset(shards[6], batch_size=GLOBAL_BATCH, repeat=True, seed=5, features=["label"],
+                                        parse_fn=lambda b: (b["label"], tf.zeros_like(b["label"], "float32")))
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+        model.fit(dataset, initial_epoch=initial_epoch, epochs=initial_epoch + 1, steps_per_epoch=STEPS, verbose=0,
+                  callbacks=[backup] + callbacks)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(counter_model(), [DieAt(initial_epoch, 3)])
+    metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert metadata["data_layouts_in_epoch"] == [[1, 3, GLOBAL_BATCH]]
+    model = counter_model()
+    fit(model, [])
+    times = collections.Counter(np.round(-model.get_weights()[0][:, 0] * GLOBAL_BATCH, 4).tolist())
+    assert times == {1.0: RECORDS}, times
+
+
+def test_a_validation_dataset_never_takes_the_training_start(shards):
+    """The training data is NumPy, the validation data a repeating tfrecord_dataset, and the first step stops the
+    fit (stop_training): the validation reads its own first epoch, not the fit's epoch 2 (initial_epoch=1)."""
+    class StopAtFirstStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = True
+
+    validation = data.tfrecord_dataset(shards[6], batch_size=GLOBAL_BATCH, repeat=True, seed=5, features=["label"],
+                                       parse_fn=lambda b: (b["label"], tf.cast(b["label"], "float32")))
+    expected = float(np.mean([y for batch in validation.take(2) for y in batch[1].numpy()]))
+    ids = keras.Input((), dtype="int64")
+    model = keras.Model(ids, keras.layers.Embedding(RECORDS, 1, embeddings_initializer="zeros")(ids))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss=lambda y, rows: tf.reshape(y, [-1, 1]) + 0.0 * rows)
+    x = np.arange(RECORDS)
+    history = model.fit(x, x.astype("float32"), batch_size=GLOBAL_BATCH, initial_epoch=1, epochs=2,
+                        validation_data=validation, validation_steps=2, verbose=0, callbacks=[StopAtFirstStep()])
+    assert history.history["val_loss"] == [pytest.approx(expected)]
 
 
 @pytest.fixture(scope="module")

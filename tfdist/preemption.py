@@ -112,6 +112,7 @@ class _Session:
         self.resume_data = None        # where its training data starts (a tfdist.data.position.Resume) [main]
         self.first_epoch = True        # the fit's first training epoch is still to come [main]
         self.resume_armed = False      # the next epoch iterator is the fit's first training one [main]
+        self.resume_epoch = 0          # and the epoch it trains [main]
 
     def key(self, what: str, rank: int | None = None) -> str:
         return f"{_PREFIX}{self.number}/{what}" + ("" if rank is None else f"/{rank}")
@@ -462,22 +463,22 @@ def resume_at(steps: int, data=None) -> None:
         session.resume_steps, session.resume_data = steps, data
 
 
-def arm_resume() -> None:
-    """The running ``fit``'s next epoch iterator is its training one (``fit`` enumerates it right after its
-    callbacks' ``on_epoch_begin``): it, and no evaluation before it, takes the resume position."""
+def arm_resume(epoch: int) -> None:
+    """The running ``fit``'s next epoch iterator is its training one for ``epoch`` (``fit`` enumerates it right
+    after its callbacks' ``on_epoch_begin``): it, and no evaluation before it, takes the resume position."""
     session = _current("fit")
     if session is not None:
-        session.resume_armed = session.first_epoch
+        session.resume_armed, session.resume_epoch = session.first_epoch, epoch
 
 
-def take_resume() -> tuple[int, object] | None:
-    """For the running ``fit``'s first training epoch, once: ``(steps it skips, where its data starts)``
-    (``resume_at``'s; 0 and None for a fit from the start). None for every other epoch iterator."""
+def take_resume() -> tuple[int, object, int] | None:
+    """For the running ``fit``'s first training epoch, once: ``(steps it skips, where its data starts, the
+    epoch)`` (``resume_at``'s; 0 and None for a fit from its start). None for every other epoch iterator."""
     session = _current("fit")
     if session is None or not session.resume_armed:
         return None
     session.first_epoch = session.resume_armed = False
-    taken = (session.resume_steps, session.resume_data)
+    taken = (session.resume_steps, session.resume_data, session.resume_epoch)
     session.resume_steps, session.resume_data = 0, None
     return taken
 

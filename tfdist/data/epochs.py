@@ -160,11 +160,11 @@ def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed:
     return touched, keep
 
 
-def consumed(files: Files, epoch: int, layouts, global_batch: int) -> np.ndarray:
-    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done)`` each, the
-    first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
+def consumed(files: Files, epoch: int, layouts) -> np.ndarray:
+    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch)``
+    each, the first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
     mask, done = np.zeros(files.total, bool), 0
-    for run, (pipelines, steps) in enumerate(layouts):
+    for run, (pipelines, steps, global_batch) in enumerate(layouts):
         read = mask.copy()
         per_step = global_batch // pipelines
         for pipeline in range(pipelines):
@@ -205,7 +205,7 @@ class Starts:
     def take(self):
         """The plan of this iterator, as the tensors the dataset's ``py_function`` returns (it runs as the
         iterator reads its first element)."""
-        start = position.take(self.pipelines)
+        start = position.take(self.pipelines, self.global_batch)
         plan = Plan() if start is None else self._plan(start)
         keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
         return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
@@ -224,10 +224,15 @@ class Starts:
         if not self.files.replayable:
             self._warn(resume, "which records the interrupted run read is known only with tfrecord_dataset(seed=...) "
                                "(and deterministic left None or True); it skips as many records as were read")
-        layouts = resume.layouts or ((self.pipelines, resume.steps),)
-        if layouts == ((self.pipelines, resume.steps),):
+        layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch)
+                        for run in resume.layouts or ((self.pipelines, resume.steps),))
+        if any(run[2] != self.global_batch for run in layouts):
+            self._warn(resume, f"its steps were of a global batch of {layouts[-1][2]}, this fit's are of "
+                               f"{self.global_batch}; it reads the records not read yet, but its epoch ends by "
+                               "steps, not by records")
+        if layouts == ((self.pipelines, resume.steps, self.global_batch),):
             return Plan(epoch=resume.epoch)  # the fit skips its done steps' batches of this very epoch
-        read = consumed(self.files, resume.epoch, layouts, self.global_batch)
+        read = consumed(self.files, resume.epoch, layouts)
         touched, keep = rest_part(self.files, resume.epoch, self.pipeline, self.pipelines, read)
         return Plan(epoch=resume.epoch, filler=resume.steps * (self.global_batch // self.pipelines),
                     touched=touched, keep=keep)

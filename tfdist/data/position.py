@@ -1,11 +1,12 @@
 """Where a fit's training data starts: the state between a restored backup and the dataset that trains.
 
 ``BackupAndRestore`` restores a position (``Resume``: the epoch, the steps of it done, and the input
-pipeline counts that did them) into the fit's session (``tfdist.preemption.resume_at``). When the fit
-enumerates its first training epoch, ``tfdist.keras_fixes.callbacks`` opens a window (``opened``) for its
-duration; the repeating ``tfrecord_dataset`` whose iterator starts first in that window takes the position
-(``take``) and starts there; it also tells which pipeline count trains now (``training_pipelines``), which
-the next backup records. Nothing here runs TensorFlow.
+pipeline counts that did them) into the fit's session (``tfdist.preemption.resume_at``); a fit from its
+start has one too (its first epoch). When the fit enumerates its first training epoch,
+``tfdist.keras_fixes.callbacks`` opens a window (``opened``) until its first batch ends (``close``); a
+repeating ``tfrecord_dataset`` whose iterator starts in it takes the position (``take``) and starts there,
+and tells which pipeline count and global batch train now (``training_layout``), which the next backup records.
+Nothing here runs TensorFlow.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Iterator
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """A fit's start: ``epoch`` (Keras' count), ``steps`` of it done before, and ``layouts``: for each run that
-    trained part of it, ``(input pipelines, steps done when it stopped)``, in order (empty: unknown)."""
+    trained part of it, ``(input pipelines, steps done when it stopped, global batch)``, in order (empty:
+    unknown; a backup of 2026-11-28 wrote no global batch)."""
 
     epoch: int
     steps: int = 0
-    layouts: tuple[tuple[int, int], ...] = ()
+    layouts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +39,16 @@ class Start:
 
 _lock = threading.Lock()
 _open: Start | None = None
-_training_pipelines: int | None = None
+_training: tuple[int, int] | None = None
 
 
 @contextlib.contextmanager
 def opened(start: Start) -> Iterator[None]:
-    """The fit's first training epoch: the first repeating dataset whose iterator starts within takes ``start``."""
-    global _open, _training_pipelines
+    """The fit's first training epoch, until its first batch ends (``close``): a repeating dataset whose iterator
+    starts within takes ``start``."""
+    global _open, _training
     with _lock:
-        _open, _training_pipelines = start, None
+        _open, _training = start, None
     try:
         yield
     finally:
@@ -53,22 +56,25 @@ def opened(start: Start) -> Iterator[None]:
 
 
 def close() -> None:
-    """No later iterator takes the position (the first training step has pulled its data)."""
+    """No later iterator takes the position (the first training step has pulled its data, or the epoch ended)."""
     global _open
+    if _open is not None:
+        with _lock:
+            _open = None
+
+
+def take(pipelines: int, global_batch: int) -> Start | None:
+    """The open window's start (None when none is open); ``pipelines`` and ``global_batch``: the taker's. Every
+    iterator that starts in the window takes it: the training data's (one per input pipeline of this process,
+    or datasets zipped together), which the first step pulls."""
+    global _training
     with _lock:
-        _open = None
+        if _open is not None:
+            _training = (pipelines, global_batch)
+        return _open
 
 
-def take(pipelines: int) -> Start | None:
-    """The open window's start, once (None when none is open); ``pipelines``: the taker's count."""
-    global _open, _training_pipelines
-    with _lock:
-        start, _open = _open, None
-        if start is not None:
-            _training_pipelines = pipelines
-        return start
-
-
-def training_pipelines() -> int | None:
-    """The input pipeline count of the dataset training in the current fit (None: not a tfdist reader)."""
-    return _training_pipelines
+def training_layout() -> tuple[int, int] | None:
+    """``(input pipelines, global batch)`` of the dataset training in the current fit (None: not a tfdist
+    reader)."""
+    return _training

@@ -170,15 +170,17 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
 
 
 def _layouts(callback) -> list[list[int]]:
-    """The runs that trained the current epoch so far: ``[input pipelines, steps done at its end]`` each
-    (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist dataset trains."""
-    pipelines, done = position.training_pipelines(), getattr(callback, "_tfdist_steps_done", 0)
-    if pipelines is None or not done:
+    """The runs that trained the current epoch so far: ``[input pipelines, steps done at its end, global
+    batch]`` each (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist dataset
+    trains."""
+    layout, done = position.training_layout(), getattr(callback, "_tfdist_steps_done", 0)
+    if layout is None or not done:
         return []
-    earlier = [list(layout) for layout in getattr(callback, "_tfdist_layouts", [])]
-    if len(earlier) == 1 and earlier[0][0] == pipelines:  # this run went on with the same stream
-        earlier = []
-    return earlier + [[pipelines, done]]
+    pipelines, global_batch = layout
+    earlier = [list(run) for run in getattr(callback, "_tfdist_layouts", [])]
+    if len(earlier) == 1 and earlier[0][0] == pipelines and earlier[0][2:] in ([], [global_batch]):
+        earlier = []  # this run went on with the same stream
+    return earlier + [[pipelines, done, global_batch]]
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
@@ -196,17 +198,16 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
 @patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
 def _skip_steps_the_backup_had_done(original, self):
     """A fit's first training epoch: its ``tfdist.data`` dataset starts where the backup was
-    (``tfdist.data.position``, open until the first step has pulled its data); after a mid-epoch resume
+    (``tfdist.data.position``, open until the first batch ends: ``tfdist.keras_fixes.preemption``); after a mid-epoch resume
     (``tfdist.preemption.resume_at``) it consumes its done steps' data, then goes on."""
     resume = preemption.take_resume()
     if resume is None:
         yield from original(self)
         return
-    skip, data = resume
+    skip, data, epoch = resume
+    data = data or position.Resume(epoch)  # a fit from its start: at its first epoch (initial_epoch)
     with position.opened(position.Start(data, self.steps_per_epoch)):
-        for index, item in enumerate(original(self)):  # (step, iterator) before Keras 3.11, (begin, end, iterator)
-            if index == 1:
-                position.close()  # the first step pulled its data: no later iterator (a validation one) takes it
+        for item in original(self):  # (step, iterator) before Keras 3.11, (begin, end, iterator) since
             if item[0] + self.steps_per_execution <= skip:
                 try:
                     for _ in range(self.steps_per_execution):
