@@ -207,7 +207,8 @@ def test_a_validation_dataset_never_takes_the_training_start(shards):
     model.compile(optimizer=keras.optimizers.SGD(0.0), loss=lambda y, rows: tf.reshape(y, [-1, 1]) + 0.0 * rows)
     x = np.arange(RECORDS)
     history = model.fit(x, x.astype("float32"), batch_size=GLOBAL_BATCH, initial_epoch=1, epochs=2,
-                        validation_data=validation, validation_steps=2, verbose=0, callbacks=[StopAtFirstStep()])
+                        steps_per_epoch=STEPS, validation_data=validation, validation_steps=2, verbose=0,
+                        callbacks=[StopAtFirstStep()])  # steps_per_epoch: Keras keeps the epoch's generator
     assert history.history["val_loss"] == [pytest.approx(expected)]
 
 
