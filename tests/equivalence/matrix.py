@@ -111,6 +111,8 @@ KNOWN_FAILURES: list[tuple[Callable[[Cell], bool], str]] = []
 # Cells that once failed for a cause the pairs alone need not meet again; CI runs them with the pairs.
 PINNED = [Cell.parse(name) for name in (
     "hvd_tape_function/loss_scale/float32/default/fp16/even/dense/whole",  # scaled gradients on a float16 wire
+    # sharded state under DataParallel: a densified Embedding gradient has no static size (the weight's is used)
+    "data_parallel/adam/mixed_float16/0/fp16/partial_split/embedding/sharded",
 )]
 
 

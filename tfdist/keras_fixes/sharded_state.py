@@ -198,7 +198,8 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
     trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
     reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
     replica = context.replica_id_in_sync_group
-    gradients = [_my_shard(g, replica, layout) for g in reduced]  # sliced as they come: the sums are freed
+    gradients = [_my_shard(g, replica, layout, v.shape)  # sliced as they come: the sums are freed
+                 for g, v in zip(reduced, trainable_variables)]
     written = list(gradients)
     # Last layers first, as their gradients are reduced (tfdist.buckets). A group is sliced, updated,
     # gathered and written after the previous one is written: a step holds one group's shards and
@@ -207,7 +208,8 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
         with tf.control_dependencies(written):
             shards = []
             for i in group:
-                shard = _Shard(_my_shard(trainable_variables[i], replica, layout), self._get_variable_index(
+                shard = _Shard(_my_shard(trainable_variables[i], replica, layout, trainable_variables[i].shape),
+                               self._get_variable_index(
                     trainable_variables[i]))
                 self.update_step(gradients[i], shard, learning_rate)
                 shards.append(shard.value)
@@ -234,7 +236,8 @@ def _move_average_shards(original, self, trainable_variables):
     for variable, average in zip(trainable_variables, self._model_variables_moving_average):
         if average is None:
             continue
-        shard = _my_shard(variable.value if isinstance(variable, backend.Variable) else variable, replica, layout)
+        shard = _my_shard(variable.value if isinstance(variable, backend.Variable) else variable, replica, layout,
+                          variable.shape)
         momentum = tf.cast(tf.not_equal(self.iterations, 0), shard.dtype) * self.ema_momentum  # as Keras moves it
         average.assign(momentum * average.value + (1 - momentum) * shard)
 
@@ -271,15 +274,16 @@ def _averages_from_weights(original, self, optimizer):
         average.assign_whole(variable.numpy())
 
 
-def _my_shard(tensor, replica, layout: _Layout) -> tf.Tensor:
-    """Replica ``replica``'s ``ceil(size / N)`` elements of ``tensor``, flattened (zeros past its end).
+def _my_shard(tensor, replica, layout: _Layout, shape) -> tf.Tensor:
+    """Replica ``replica``'s ``ceil(size / N)`` elements of ``tensor`` (a weight's ``shape``, which its static
+    shape may not tell: a densified sparse gradient), flattened (zeros past its end).
 
     Copies only the shard: no whole-size padded copy of the weight or gradient.
     """
     if isinstance(tensor, tf.IndexedSlices):
         tensor = tf.convert_to_tensor(tensor)
-    flat = tf.reshape(tensor, [-1])
-    size = int(flat.shape[0])
+    size = int(np.prod(shape, dtype=np.int64))
+    flat = tf.reshape(tensor, [size])
     shard = layout.shard_size(size)
     if shard * layout.replicas == size:
         return tf.gather(tf.reshape(flat, [layout.replicas, shard]), replica)
