@@ -29,6 +29,7 @@ from tfdist.data import position
 _MAX_OPEN_FILES = 16
 _GRAPH_SEED = 20261128  # the seeded shuffles' graph-level seed, set in their own function graph only
 _EPOCH, _REST = 0, 1  # kinds of shuffle, so that an epoch's rest is ordered apart from a whole epoch
+_REPLAY_BATCH = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,31 +69,36 @@ def file_order(files: Files, epoch: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.argsort(keys, stable=True), tf.int64)
 
 
-def records(files: Files, pipeline: int, pipelines: int, with_numbers: bool = False):
-    """A function of a file's index to its records (with ``with_numbers``: ``(number, record)`` pairs)."""
+def records(files: Files, pipeline: int, pipelines: int, keep: tf.Tensor | None = None):
+    """A function of a file's index to its records; with ``keep`` (a mask over all records' numbers), only
+    those it marks, whatever the pipelines."""
     paths, counts, offsets = tf.constant(files.paths), tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
-    record_level = len(files.paths) < pipelines
+    record_level = len(files.paths) < pipelines and keep is None
 
     def read(index):
         count = tf.gather(counts, index)
         found = tf.data.TFRecordDataset(tf.gather(paths, index)).take(count)
         if files.skip_corrupt:  # a damaged payload passes the header check: skip it as it is read, and log it
             found = found.ignore_errors(log_warning=True)
-        if with_numbers:
+        if keep is not None:
             first = tf.gather(offsets, index)
-            found = tf.data.Dataset.zip(tf.data.Dataset.range(first, first + count), found)
+            found = tf.data.Dataset.zip(tf.data.Dataset.range(first, first + count), found).filter(
+                lambda number, record: tf.gather(keep, number)).map(lambda number, record: record)
         return found.shard(pipelines, pipeline) if record_level else found
     return read
 
 
-def numbers(files: Files, pipeline: int, pipelines: int):
+def numbers(files: Files, pipeline: int, pipelines: int, keep: tf.Tensor | None = None):
     """A function of a file's index to its records' numbers: what ``records`` reads, without reading."""
     counts, offsets = tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
-    record_level = len(files.paths) < pipelines
+    record_level = len(files.paths) < pipelines and keep is None
 
     def read(index):
         first = tf.gather(offsets, index)
-        found = tf.data.Dataset.range(first, first + tf.gather(counts, index))
+        found = tf.range(first, first + tf.gather(counts, index))
+        if keep is not None:
+            found = tf.boolean_mask(found, tf.gather(keep, found))  # a file at a time, not record by record
+        found = tf.data.Dataset.from_tensor_slices(found)
         return found.shard(pipelines, pipeline) if record_level else found
     return read
 
@@ -114,17 +120,12 @@ def epoch_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, 
 
 
 def rest_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, touched: tf.Tensor,
-                keep: tf.Tensor, read) -> tf.data.Dataset:
-    """Pipeline ``pipeline``'s part of the rest of ``epoch`` (``rest_part``: the ``touched`` files' records
-    whose number ``keep`` marks), shuffled; ``read``: ``records(files, 0, 1, with_numbers=True)`` or
-    ``numbers(files, 0, 1)`` (every record of a file: ``keep`` alone chooses)."""
+                read) -> tf.data.Dataset:
+    """Pipeline ``pipeline``'s part of the rest of ``epoch`` (``rest_part``: the ``touched`` files' records that
+    its mask marks), shuffled; ``read``: ``records`` or ``numbers`` of ``(files, 0, 1, keep=mask)``."""
     stream = tf.data.Dataset.from_tensor_slices(touched).interleave(
         read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES), num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True)
-    if isinstance(stream.element_spec, tuple):
-        stream = stream.filter(lambda number, record: tf.gather(keep, number)).map(lambda number, record: record)
-    else:
-        stream = stream.filter(lambda number: tf.gather(keep, number))
     return shuffled(stream, files, epoch, pipeline, pipelines, _REST)
 
 
@@ -175,10 +176,11 @@ def consumed(files: Files, epoch: int, layouts) -> np.ndarray:
                 touched, keep = rest_part(files, epoch, pipeline, pipelines, mask)
 
                 def stream(e, pipeline=pipeline, pipelines=pipelines, touched=touched, keep=keep):
-                    return rest_stream(files, e, pipeline, pipelines, tf.constant(touched), tf.constant(keep),
-                                       numbers(files, 0, 1))
+                    return rest_stream(files, e, pipeline, pipelines, tf.constant(touched),
+                                       numbers(files, 0, 1, keep=tf.constant(keep)))
             taken = tf.data.Dataset.from_tensors(tf.constant(epoch, tf.int64)).flat_map(stream)
-            taken = np.fromiter(taken.take((steps - done) * per_step).as_numpy_iterator(), np.int64)
+            taken = taken.take((steps - done) * per_step).batch(_REPLAY_BATCH)  # numbers to NumPy in bulk
+            taken = np.concatenate([np.zeros([0], np.int64)] + list(taken.as_numpy_iterator()))
             read[taken] = True
         mask, done = read, steps
     return mask
@@ -255,8 +257,7 @@ class Starts:
             resumed = tf.size(keep) > 0  # then the rest of ``epoch`` (no file is touched otherwise)
             skipped = tf.data.TFRecordDataset(files.paths[0]).take(1).repeat(filler)
             rest = tf.data.Dataset.from_tensors(epoch).flat_map(
-                lambda e: rest_stream(files, e, pipeline, pipelines, touched, keep,
-                                      records(files, 0, 1, with_numbers=True)))
+                lambda e: rest_stream(files, e, pipeline, pipelines, touched, records(files, 0, 1, keep=keep)))
             whole = tf.data.Dataset.range(epoch + tf.cast(resumed, tf.int64), end).flat_map(
                 lambda e: epoch_stream(files, e, pipeline, pipelines, records(files, pipeline, pipelines)))
             return skipped.concatenate(rest).concatenate(whole)
