@@ -159,3 +159,13 @@ def test_a_rank_without_validation_data_logs_the_others_val_loss(job):
     first, second = job.results[0]["one_validates"], job.results[1]["one_validates"]
     assert first == second and set(first) == {"loss", "val_loss"}
     np.testing.assert_allclose(first["val_loss"], job.results[0]["one_validates_own"], rtol=1e-6)
+
+
+def test_a_joined_rank_of_an_accumulating_optimizer_ends_with_the_last_ranks_weights(job):
+    """backward_passes_per_step=2: the joined rank's stand-in cannot apply (it would accumulate), so join
+    broadcasts the optimizer's weights from the last rank to join (they were stale on the joined rank)."""
+    first, second = job.results[0]["accumulated_weights"], job.results[1]["accumulated_weights"]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    assert job.results[0]["accumulated_last"] == job.results[1]["accumulated_last"] == 0
+    assert first != [w.tolist() for w in common.join_start()]  # it trained

@@ -52,6 +52,15 @@ model.fit(x, y, batch_size=common.JOIN_BATCH, epochs=1, shuffle=False, verbose=0
 payload["fit_last"] = int(hvd.join().numpy())
 payload["fit_weights"] = [w.tolist() for w in model.get_weights()]
 
+# 1b. A DistributedOptimizer with backward_passes_per_step=2: rank 0 has 4 batches, rank 1 has 2 and joins (its
+# stand-in all-reduces zeros but cannot apply, as it accumulates): join makes its weights rank 0's.
+x, y = common.join_data(16, (4, 2)[r])
+model = linear_model()
+model.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(common.JOIN_LR), backward_passes_per_step=2), "mse")
+model.fit(x, y, batch_size=common.JOIN_BATCH, epochs=1, shuffle=False, verbose=0)
+payload["accumulated_last"] = int(hvd.join().numpy())
+payload["accumulated_weights"] = [w.tolist() for w in model.get_weights()]
+
 # 2. A tf.function loop with DistributedGradientTape; rank 1 has more steps this time.
 x, y = common.join_data(r + 2, LOOP_STEPS[r])
 model = linear_model()
@@ -217,4 +226,5 @@ history = model.fit(x, y, batch_size=common.JOIN_BATCH, validation_data=(vx[:0],
                     epochs=1, shuffle=False, verbose=0, callbacks=[hvd.callbacks.MetricAverageCallback()])
 payload["one_validates"] = {k: v[0] for k, v in history.history.items()}
 payload["one_validates_own"] = float(model.evaluate(vx, vy, verbose=0)) if r == 0 else None
+
 common.write_result(out_dir, payload)

@@ -109,4 +109,6 @@ def _stale_variables(reductions: list) -> list:
     for reduction in reductions:
         if not reduction.applies_in_join():
             found.update(_variables.get(reduction.name, {}))
+            if reduction.optimizer is not None:  # a DistributedOptimizer that accumulates: its stand-in only reduces
+                found.update((id(v), v) for v in reduction.optimizer._trainable_variables)
     return list(found.values())
