@@ -161,6 +161,14 @@ def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed:
     return touched, keep
 
 
+def shares(files: Files, epoch: int, pipelines: int) -> list[int]:
+    """How many records of ``epoch`` each of ``pipelines`` pipelines reads."""
+    if len(files.paths) < pipelines:  # every n-th record of each file
+        return [sum(len(range(p, count, pipelines)) for count in files.counts) for p in range(pipelines)]
+    order = file_order(files, tf.constant(epoch, tf.int64)).numpy()
+    return [int(sum(files.counts[f] for f in order[p::pipelines])) for p in range(pipelines)]
+
+
 def consumed(files: Files, epoch: int, layouts) -> np.ndarray:
     """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch)``
     each, the first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
@@ -228,6 +236,11 @@ class Starts:
                                "(and deterministic left None or True); it skips as many records as were read")
         layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch)
                         for run in resume.layouts or ((self.pipelines, resume.steps),))
+        sizes = shares(self.files, resume.epoch, layouts[0][0])
+        if len(set(sizes)) > 1:
+            self._warn(resume, f"its {layouts[0][0]} workers' shares of it differ ({min(sizes)} to {max(sizes)} "
+                               "records: files of unequal sizes, or not a multiple of the workers), so a worker "
+                               "went on into its next epoch while another had records of this one left")
         if any(run[2] != self.global_batch for run in layouts):
             self._warn(resume, f"its steps were of a global batch of {layouts[-1][2]}, this fit's are of "
                                f"{self.global_batch}; it reads the records not read yet, but its epoch ends by "
