@@ -159,7 +159,10 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
 def _restore_and_resume_mid_epoch(original, self, logs=None):
     original(self, logs)  # Keras restores the weights and the epoch
     path = self._training_metadata_path
-    metadata = json.load(open(path)) if atomic_files.is_local(path) and os.path.exists(path) else {}
+    metadata = {}
+    if atomic_files.is_local(path) and os.path.exists(path):
+        with open(path) as file:
+            metadata = json.load(file)
     done, layouts, steps = metadata.get(STEPS_DONE, 0), metadata.get(LAYOUTS, []), self.params.get("steps")
     if done and steps and done >= steps:  # saved at an epoch's last step: never replay it empty
         self.model._initial_epoch += 1
