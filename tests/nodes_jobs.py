@@ -50,26 +50,31 @@ def finish(processes: Sequence[subprocess.Popen], timeout: float = 150) -> list[
     """Waits for every launcher and returns their results; kills all of them on a timeout.
 
     Called while an exception is on its way (a ``finally`` after a failed wait) it does not wait:
-    it kills the launchers at once and prints what they said, so the test's error shows it. On its
-    own timeout it raises an AssertionError holding each launcher's last output.
+    it kills the launchers at once and prints what they said (those that had ended too), so the
+    test's error shows it. On its own timeout it raises an AssertionError holding each launcher's
+    last output.
     """
     failing = sys.exc_info()[0] is not None
     deadline = time.monotonic() + (0 if failing else timeout)
     outputs: list[str] = []
+
+    def tails() -> str:
+        return "\n".join(f"--- launcher {i} (pid {p.pid}, exit {p.returncode}) said:\n{out[-4000:]}"
+                         for i, (p, out) in enumerate(zip(processes, outputs)))
     try:
         for process in processes:
             outputs.append(process.communicate(timeout=max(0.1 if failing else 1.0, deadline - time.monotonic()))[0])
+        if failing:
+            print(tails())
         return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
     except subprocess.TimeoutExpired:
         for process in processes[len(outputs):]:
             process.kill()
             outputs.append(process.communicate()[0] or "")
-        tails = "\n".join(f"--- launcher {i} (pid {p.pid}, exit {p.returncode}) said:\n{out[-4000:]}"
-                           for i, (p, out) in enumerate(zip(processes, outputs)))
         if failing:
-            print(tails)
+            print(tails())
             return [NodeResult(p.returncode, out) for p, out in zip(processes, outputs)]
-        raise AssertionError(f"the launchers did not finish within {timeout:g}s\n{tails}") from None
+        raise AssertionError(f"the launchers did not finish within {timeout:g}s\n{tails()}") from None
     finally:
         for process in processes:
             process.kill()
