@@ -148,16 +148,13 @@ def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed:
     """Pipeline ``pipeline``'s part of the records of ``epoch`` not ``consumed``: ``(touched, keep)``, the
     indices of the files it reads in the epoch's order and a mask over all records' numbers."""
     order = file_order(files, tf.constant(epoch, tf.int64)).numpy()
-    offsets = files.offsets
-    left = np.concatenate([np.arange(offsets[f], offsets[f] + files.counts[f])[~consumed[offsets[f]:offsets[f] +
-                                                                                          files.counts[f]]]
-                           for f in order])
+    numbers_of = [np.arange(first, first + count) for first, count in zip(files.offsets, files.counts)]
+    left = np.concatenate([numbers_of[f][~consumed[numbers_of[f]]] for f in order])
     size, extra = divmod(len(left), pipelines)
     first = pipeline * size + min(pipeline, extra)
-    mine = left[first:first + size + (pipeline < extra)]
     keep = np.zeros(files.total, bool)
-    keep[mine] = True
-    touched = np.array([f for f in order if keep[offsets[f]:offsets[f] + files.counts[f]].any()], np.int64)
+    keep[left[first:first + size + (pipeline < extra)]] = True
+    touched = np.array([f for f in order if keep[numbers_of[f]].any()], np.int64)
     return touched, keep
 
 
