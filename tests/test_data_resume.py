@@ -1,7 +1,7 @@
 """A fit resumed mid-epoch reads the rest of that epoch's records once, whatever worker counts read the start.
 
 In-process cases build each worker's pipeline with its own InputContext and global seed, read the records a
-run would have trained on, and resume the next run where ``BackupAndRestore`` would (``tfdist.data.position``,
+run would have trained on, and resume the next run where ``BackupAndRestore`` would (``tfdist.fit_start``,
 as the resumed fit opens it). The records each run really read are counted; nothing is simulated by the test.
 Two real jobs then do it through ``tfdist run``: 2 workers die mid-epoch, 3 resume and die, 2 finish; and 2
 resume 2. Their model counts how often each record was trained on (see ``resume_records_job.py``).
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tests.jobs import run_job
 from tfdist import data
-from tfdist.data import position
+from tfdist import fit_start
 
 RECORDS, GLOBAL_BATCH = 96, 12
 STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the records
@@ -56,7 +56,7 @@ def run(pattern, workers, resume, steps, **options):
     trained = []
     for worker in range(workers):
         dataset = pipeline(pattern, worker, workers, **options)
-        with position.opened(position.Start(resume, STEPS)):
+        with fit_start.opened(fit_start.Start(resume, STEPS)):
             found = first_records(dataset, steps * per_step)
         trained.append(found[(resume.steps if resume else 0) * per_step:])
     return trained
@@ -77,7 +77,7 @@ def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
     files, runs = CHAINS[chain]
     pattern, epoch, seen, layouts, done = shards[files], 1, [], (), 0
     for workers, steps in runs:
-        resume = position.Resume(epoch, done, layouts) if (done or epoch) else None
+        resume = fit_start.Resume(epoch, done, layouts) if (done or epoch) else None
         trained = run(pattern, workers, resume, steps)
         assert len({len(t) for t in trained}) == 1, [len(t) for t in trained]  # in lock-step
         seen += [record for worker in trained for record in worker]
@@ -88,7 +88,7 @@ def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
 
 def test_a_resume_at_an_epoch_boundary_reads_that_data_epoch(shards):
     fresh = first_records(pipeline(shards[6], 0, 2), 2 * RECORDS // 2)
-    resumed = run(shards[6], 2, position.Resume(1, 0, ()), STEPS)[0]
+    resumed = run(shards[6], 2, fit_start.Resume(1, 0, ()), STEPS)[0]
     assert resumed == fresh[RECORDS // 2:]  # the file order and record shuffle of epoch 2, not of epoch 1
 
 
@@ -103,14 +103,14 @@ def test_the_order_does_not_depend_on_the_process_global_seed(shards):
 
 def test_every_iterator_started_in_the_window_takes_the_position_and_none_after_it(shards):
     """Datasets zipped for training (or one pipeline per replica) all start there; once the first batch ended
-    (``position.close``), a validation dataset's iterator starts at its own beginning."""
+    (``fit_start.close``), a validation dataset's iterator starts at its own beginning."""
     first, second, validation = (pipeline(shards[6], 0, 2) for _ in range(3))
     fresh = first_records(pipeline(shards[6], 0, 2), 2 * RECORDS // 2)
-    with position.opened(position.Start(position.Resume(1, 0, ()), STEPS)):
+    with fit_start.opened(fit_start.Start(fit_start.Resume(1, 0, ()), STEPS)):
         assert first_records(first, 6) == first_records(second, 6) == fresh[RECORDS // 2:][:6]
-        position.close()
+        fit_start.close()
         assert first_records(validation, 6) == fresh[:6]
-    assert position.training_layout() == (2, GLOBAL_BATCH)
+    assert fit_start.training_layout() == (2, GLOBAL_BATCH)
 
 
 @pytest.mark.parametrize("why, options, steps_per_epoch, earlier", [
@@ -122,7 +122,7 @@ def test_a_resume_that_cannot_be_exact_says_why(shards, why, options, steps_per_
     dataset = pipeline(shards[6], 0, 2, **options)
     with pytest.warns(UserWarning, match=f"resumed at step 3 of epoch 2 may read some records of that epoch twice "
                                          f"and others not at all: .*{why}"):
-        with position.opened(position.Start(position.Resume(1, 3, ((earlier, 3),)), steps_per_epoch)):
+        with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((earlier, 3),)), steps_per_epoch)):
             first_records(dataset, 12)
 
 
@@ -130,14 +130,14 @@ def test_a_fit_from_the_start_warns_nothing(shards):
     dataset = pipeline(shards[6], 0, 2, seed=None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with position.opened(position.Start(None, STEPS)):
+        with fit_start.opened(fit_start.Start(None, STEPS)):
             first_records(dataset, 12)
 
 
 def test_a_changed_global_batch_reads_the_records_not_read_yet_and_says_the_epoch_ends_by_steps(shards):
     """2 workers at a global batch of 12 read 3 steps; 2 workers at 24 resume: the 36 records read are known by
     the batch they were read with, and the rest are read once; the steps no longer add up to the records."""
-    read = [r for w in run(shards[6], 2, position.Resume(1, 0, ()), 3) for r in w]
+    read = [r for w in run(shards[6], 2, fit_start.Resume(1, 0, ()), 3) for r in w]
     pattern, per_step = shards[6], 24 // 2
     rest = []
     with pytest.warns(UserWarning, match="steps were of a global batch of 12, this fit's are of 24; it reads the "
@@ -146,7 +146,7 @@ def test_a_changed_global_batch_reads_the_records_not_read_yet_and_says_the_epoc
             tf.random.set_seed(worker)
             dataset = data.tfrecord_dataset(pattern, batch_size=24, input_context=tf.distribute.InputContext(
                 2, worker, 2), repeat=True, seed=5, features=["label"])
-            with position.opened(position.Start(position.Resume(1, 3, ((2, 3, 12),)), RECORDS // 24)):
+            with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, 12),)), RECORDS // 24)):
                 rest += first_records(dataset, 3 * per_step + 30)[3 * per_step:]
     assert sorted(read + rest) == list(range(RECORDS))
 

@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(tfdist.__file__).resolve().parent
 # The first matching prefix decides a module's layer; tfdist/__init__.py (the root) wires them all.
 LAYERS = [
     (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "stop_signals", "events", "run",
-         "cli", "launch", "sharding")),
+         "cli", "launch", "sharding", "fit_start")),
     (1, ("buckets", "autotune", "compression", "fusion", "devices", "watchdog", "kvstore", "preemption", "step_clock",
          "stragglers", "timeline")),
     (2, ("precision", "process_group")),

@@ -19,7 +19,8 @@ checks it, imports inside functions included):
 0. standard library only: ``errors``, ``state`` (this process's strategy), ``cluster``,
    ``patching``, ``startup``, ``extras``, ``atomic_files``, ``stop_signals`` (a worker's stop
    signals), ``events`` (host-side events for the timeline), ``sharding`` (whether optimizers shard
-   their state), the launcher (``run``, ``cli``, ``launch/*``);
+   their state), ``fit_start`` (where a fit's training data starts), the launcher (``run``, ``cli``,
+   ``launch/*``);
 1. TensorFlow primitives: ``buckets`` (gradient bucket plans), ``autotune`` (picks their setting from
    measured steps), ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning, threads),
    ``watchdog`` (the hang watchdog), ``kvstore`` (the coordination service's key-value store),

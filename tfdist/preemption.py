@@ -109,7 +109,7 @@ class _Session:
         self.decision: Decision | None = None  # the verdict [main]
         self.closed = False            # [under the lock]
         self.resume_steps = 0          # steps the first training epoch of this fit skips [main]
-        self.resume_data = None        # where its training data starts (a tfdist.data.position.Resume) [main]
+        self.resume_data = None        # where its training data starts (a tfdist.fit_start.Resume) [main]
         self.first_epoch = True        # the fit's first training epoch is still to come [main]
         self.resume_armed = False      # the next epoch iterator is the fit's first training one [main]
         self.resume_epoch = 0          # and the epoch it trains [main]
@@ -457,7 +457,7 @@ def exit_if_preempted() -> None:
 
 def resume_at(steps: int, data=None) -> None:
     """Makes the first training epoch of the running ``fit`` start at step ``steps`` (a mid-epoch resume);
-    ``data``: where its data starts (a ``tfdist.data.position.Resume``), for the dataset that trains."""
+    ``data``: where its data starts (a ``tfdist.fit_start.Resume``), for the dataset that trains."""
     session = _current("fit")
     if session is not None:
         session.resume_steps, session.resume_data = steps, data

@@ -7,7 +7,7 @@ With ``seed`` given (and reading kept in order), a pipeline's order is a pure fu
 the process's own random state: another process, with another worker count, can tell which records a
 pipeline had read after k of them, by running the same pipeline on record numbers (``consumed``).
 
-Where a fit starts (``tfdist.data.position``): a fit resumed at epoch E of a backup reads data epoch E
+Where a fit starts (``tfdist.fit_start``): a fit resumed at epoch E of a backup reads data epoch E
 (each epoch of the fit is one pass over the records: ``steps_per_epoch`` times the global batch). Resumed
 mid-epoch, it first reads the rest of that epoch: the records no earlier run of the epoch read, in the
 epoch's file order, cut into N contiguous parts of one size, part p for pipeline p, shuffled; before them
@@ -24,7 +24,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from tfdist.data import position
+from tfdist import fit_start
 
 _MAX_OPEN_FILES = 16
 _GRAPH_SEED = 20261128  # the seeded shuffles' graph-level seed, set in their own function graph only
@@ -203,7 +203,7 @@ class Plan:
 
 
 class Starts:
-    """The start of a repeating dataset's pipeline: the open window's (``tfdist.data.position``) when its
+    """The start of a repeating dataset's pipeline: the open window's (``tfdist.fit_start``) when its
     iterator starts within one, else the data's first epoch."""
 
     def __init__(self, files: Files, pipeline: int, pipelines: int, global_batch: int):
@@ -212,12 +212,12 @@ class Starts:
     def take(self):
         """The plan of this iterator, as the tensors the dataset's ``py_function`` returns (it runs as the
         iterator reads its first element)."""
-        start = position.take(self.pipelines, self.global_batch)
+        start = fit_start.take(self.pipelines, self.global_batch)
         plan = Plan() if start is None else self._plan(start)
         keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
         return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
 
-    def _plan(self, start: position.Start) -> Plan:
+    def _plan(self, start: fit_start.Start) -> Plan:
         resume = start.resume
         if resume is None or not (resume.epoch or resume.steps):
             return Plan()
@@ -249,7 +249,7 @@ class Starts:
         return Plan(epoch=resume.epoch, filler=resume.steps * (self.global_batch // self.pipelines),
                     touched=touched, keep=keep)
 
-    def _warn(self, resume: position.Resume, why: str) -> None:
+    def _warn(self, resume: fit_start.Resume, why: str) -> None:
         if resume.steps and self.pipeline == 0:
             warnings.warn(f"A fit resumed at step {resume.steps} of epoch {resume.epoch + 1} may read some records "
                           f"of that epoch twice and others not at all: {why}.", stacklevel=2)

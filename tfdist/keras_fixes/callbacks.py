@@ -7,8 +7,8 @@ Under a MultiWorkerMirroredStrategy of several workers (rank from the model's st
   to local paths are atomic. ``BackupAndRestore`` restores the chief's files on every
   worker, a backup taken mid-epoch (``save_freq=N``) resumes at the next batch of
   that epoch, not at its start (a ``tfdist.data`` dataset with the records not yet read,
-  whatever the worker count: it records the counts that trained the epoch), and the epoch it restored ends with its ``fit`` (Keras 3.15
-  keeps it in ``model._initial_epoch``: a later ``fit`` of the model, with any callbacks,
+  whatever the worker count: it records the counts that trained the epoch), and the epoch
+  it restored ends with its ``fit`` (Keras 3.15 keeps it in ``model._initial_epoch``: a later ``fit`` of the model, with any callbacks,
   started at that epoch and trained nothing when it asked for fewer epochs; on one device too).
 * ``TensorBoard``, ``CSVLogger``: other workers write to a private temporary place,
   deleted when training ends; only the chief's files appear.
@@ -41,7 +41,7 @@ from keras.src.trainers.epoch_iterator import EpochIterator
 from packaging.version import Version
 
 from tfdist import atomic_files, events, preemption, process_group
-from tfdist.data import position
+from tfdist import fit_start
 from tfdist.keras_fixes import callback_state
 from tfdist.patching import Patch
 
@@ -168,7 +168,7 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
         self.model._initial_epoch += 1
         done, layouts = 0, []
     epoch = getattr(self.model, "_initial_epoch", None)
-    self._tfdist_restored = position.Resume(epoch, done, tuple(map(tuple, layouts))) if epoch is not None else None
+    self._tfdist_restored = fit_start.Resume(epoch, done, tuple(map(tuple, layouts))) if epoch is not None else None
     preemption.resume_at(done, self._tfdist_restored)
 
 
@@ -176,7 +176,7 @@ def _layouts(callback) -> list[list[int]]:
     """The runs that trained the current epoch so far: ``[input pipelines, steps done at its end, global
     batch]`` each (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist dataset
     trains."""
-    layout, done = position.training_layout(), getattr(callback, "_tfdist_steps_done", 0)
+    layout, done = fit_start.training_layout(), getattr(callback, "_tfdist_steps_done", 0)
     if layout is None or not done:
         return []
     pipelines, global_batch = layout
@@ -201,15 +201,15 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
 @patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
 def _skip_steps_the_backup_had_done(original, self):
     """A fit's first training epoch: its ``tfdist.data`` dataset starts where the backup was
-    (``tfdist.data.position``, open until the first batch ends: ``tfdist.keras_fixes.preemption``); after a mid-epoch resume
+    (``tfdist.fit_start``, open until the first batch ends: ``tfdist.keras_fixes.preemption``); after a mid-epoch resume
     (``tfdist.preemption.resume_at``) it consumes its done steps' data, then goes on."""
     resume = preemption.take_resume()
     if resume is None:
         yield from original(self)
         return
     skip, data, epoch = resume
-    data = data or position.Resume(epoch)  # a fit from its start: at its first epoch (initial_epoch)
-    with position.opened(position.Start(data, self.steps_per_epoch)):
+    data = data or fit_start.Resume(epoch)  # a fit from its start: at its first epoch (initial_epoch)
+    with fit_start.opened(fit_start.Start(data, self.steps_per_epoch)):
         for item in original(self):  # (step, iterator) before Keras 3.11, (begin, end, iterator) since
             if item[0] + self.steps_per_execution <= skip:
                 try:

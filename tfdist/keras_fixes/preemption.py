@@ -41,7 +41,7 @@ from keras.src.callbacks.backup_and_restore import BackupAndRestore
 from keras.src.callbacks.callback_list import CallbackList
 
 from tfdist import preemption, process_group
-from tfdist.data import position
+from tfdist import fit_start
 from tfdist.keras_fixes import callback_state
 from tfdist.keras_fixes.callbacks import sum_over_workers
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
@@ -96,7 +96,7 @@ def _arm(original, self, logs=None):
 
 @patch.replaces(CallbackList, "on_train_batch_end", ("self", "batch", "logs"))
 def _stop_at_the_agreed_step(original, self, batch, logs=None):
-    position.close()  # the step pulled its data: no later iterator (a validation one) takes the fit's start
+    fit_start.close()  # the step pulled its data: no later iterator (a validation one) takes the fit's start
     original(self, batch, logs)
     model = getattr(self, "_model", None)
     if model is None or not preemption.in_fit():

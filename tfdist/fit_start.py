@@ -5,8 +5,8 @@ pipeline counts that did them) into the fit's session (``tfdist.preemption.resum
 start has one too (its first epoch). When the fit enumerates its first training epoch,
 ``tfdist.keras_fixes.callbacks`` opens a window (``opened``) until its first batch ends (``close``); a
 repeating ``tfrecord_dataset`` whose iterator starts in it takes the position (``take``) and starts there,
-and tells which pipeline count and global batch train now (``training_layout``), which the next backup records.
-Nothing here runs TensorFlow.
+and tells which pipeline count and global batch train now (``training_layout``), which the next backup
+records. Standard library only (``tfdist.data.epochs`` works out the records).
 """
 
 from __future__ import annotations
