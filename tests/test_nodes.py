@@ -440,3 +440,28 @@ def test_a_master_out_of_descriptors_keeps_accepting():
             sock.close()
     assert "refused a connection from a client: out of resources to accept it (Too many open files)" in output, output
     assert "Traceback" not in output
+
+
+def test_a_launcher_that_loses_the_race_for_the_master_address_joins_instead(monkeypatch):
+    """Two launchers without --node-rank start at once: both bind the address (SO_REUSEADDR lets them while
+    neither listens), the other listens first, and this one's listen fails with EADDRINUSE. It joins as a node
+    (start returns False) instead of dying with "Address already in use" (a test_elastic run did)."""
+    from tfdist.launch import master
+
+    port = local.free_ports(1)[0]
+    rival = socket.socket()
+    rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    rival.bind(("127.0.0.1", port))
+
+    class Racing(socket.socket):
+        def bind(self, address):
+            super().bind(address)
+            rival.listen()  # the other launcher listens between this one's bind and listen
+
+    monkeypatch.setattr(master.socket, "socket", Racing)
+    coordinator = master.Master(("127.0.0.1", port), (2, 3), "t", start_timeout=5, max_restarts=0,
+                                fixed_ports=False, grace_period=1, say=print)
+    try:
+        assert coordinator.start(only_if_here=True) is False
+    finally:
+        rival.close()

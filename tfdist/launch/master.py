@@ -131,6 +131,8 @@ class Master:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind(self.address)
+            # Another launcher may have bound it too (SO_REUSEADDR) and listened first: then listen fails
+            listener.listen(max(128, 2 * self.max_nodes + 8))
         except OSError as err:
             listener.close()
             if only_if_here and err.errno in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
@@ -138,7 +140,6 @@ class Master:
             raise MasterError(
                 f"node 0 cannot listen on --master {self.where} ({err.strerror}): --master must be an address "
                 "of node 0 (the one other nodes reach it at) and a port free there.") from None
-        listener.listen(max(128, 2 * self.max_nodes + 8))
         self.listener = listener
         bound, host = listener.getsockname()[0], self.address[0]
         if ipaddress.ip_address(bound).is_loopback and not (_is_ip(host) and ipaddress.ip_address(host).is_loopback):
