@@ -59,6 +59,23 @@ def test_distributed_optimizer_alone_trains_like_its_optimizer(single):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss, weighs", [("mse", True), (keras.losses.MeanSquaredError(reduction="sum"), False),
+                                           (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"), False)])
+def test_examples_weigh_the_ranks_only_when_every_loss_term_is_a_mean_over_examples(single, monkeypatch, loss, weighs):
+    """A DistributedOptimizer in fit weighs each rank by its examples (batch_shares.examples_to_weigh); a sum or a
+    mean over sample weights is no mean over the examples, so the step keeps Horovod's average (issue 49)."""
+    from tfdist.keras_fixes import batch_shares
+
+    seen = []
+    original = batch_shares.examples_to_weigh
+    monkeypatch.setattr(batch_shares, "examples_to_weigh", lambda: seen.append(original()) or seen[-1])
+    model = common.equivalence_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss=loss)
+    x, y = common.regression_data()
+    model.fit(x, y, sample_weight=np.ones(len(x), "float32"), batch_size=common.GLOBAL_BATCH, verbose=0)
+    assert seen and all((examples is not None) == weighs for examples in seen)
+
+
 def test_backward_passes_are_summed_unless_averaged_as_horovod_does(single):
     """Horovod adds up the k micro-batch gradients by default (average_aggregated_gradients=False)."""
     def weights(**options):

@@ -31,6 +31,17 @@ def test_uneven_splits_train_evaluate_and_predict_as_one_device(examples, batch,
     common.assert_uneven_run_equal(two, one, examples, batch)
 
 
+@pytest.mark.parametrize("examples, batch, reduction", common.REDUCTION_CASES)
+def test_every_reduction_trains_as_one_device(examples, batch, reduction):
+    """Issue 49: a ``sum`` reduction (no 1 / replicas in Keras: its gradients were divided by the global count
+    without the count's factor, 0.11x one device's step) and ``mean_with_sample_weight`` (each replica divides
+    by its own weights' sum) give one device's weights, loss and evaluation."""
+    one = common.reduction_run(examples, batch, reduction)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]") as strategy:
+        pass
+    common.assert_uneven_run_equal(common.reduction_run(examples, batch, reduction, strategy), one, examples, batch)
+
+
 def test_keras_weighting_comes_back_on_request(monkeypatch):
     """TFDIST_BATCH_WEIGHTING=keras: each replica's mean loss by 1/replicas, as Keras and plain MirroredStrategy."""
     monkeypatch.setenv(batch_shares.ENV, "keras")
@@ -72,6 +83,15 @@ def test_workers_train_evaluate_and_predict_uneven_splits_as_one_device(job, exa
 def hvd_job(request, tmp_path_factory):
     return run_job("uneven_split_hvd_job.py", tmp_path_factory.mktemp("uneven_hvd"), num_workers=request.param,
                    timeout=300).check()
+
+
+@pytest.mark.parametrize("examples, batch, reduction", common.REDUCTION_CASES)
+def test_workers_train_every_reduction_as_one_device(job, examples, batch, reduction):
+    want = common.reduction_run(examples, batch, reduction)
+    runs = [result[f"{examples}/{batch}/{reduction}"] for result in job.results.values()]
+    for got in runs:
+        common.assert_uneven_run_equal(got, want, examples, batch)
+        assert got["weights"] == runs[0]["weights"]
 
 
 @pytest.mark.parametrize("examples, batch, optimizer", common.UNEVEN_CASES + ((49, 4, "sgd_scaled"),))

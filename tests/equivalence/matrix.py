@@ -142,22 +142,24 @@ def excluded_cells() -> list[tuple[Cell, str]]:
     return [(cell, reason) for cell in cells if (reason := exclusion(cell)) is not None]
 
 
-def _tuples(cell: Cell, strength: int) -> Iterable[tuple]:
+def _tuples(cell, strength: int) -> Iterable[tuple]:
     values = dataclasses.astuple(cell)
-    for dims in itertools.combinations(range(len(NAMES)), strength):
+    for dims in itertools.combinations(range(len(values)), strength):
         yield tuple((d, values[d]) for d in dims)
 
 
-def covering(strength: int = 2, cells: list[Cell] | None = None) -> list[Cell]:
-    """A greedy, deterministic subset of ``cells`` (default: the full product) covering every t-tuple.
+def covering(strength: int = 2, cells: list | None = None) -> list:
+    """A greedy, deterministic subset of ``cells`` (default: the full product; any frozen dataclasses) covering
+    every t-tuple.
 
     Every combination of ``strength`` values (of as many dimensions) that some cell of ``cells``
     holds is held by at least one chosen cell. Each round takes the cell covering the most
     tuples not yet covered (ties: the first in product order).
     """
-    if not 1 <= strength <= len(NAMES):
-        raise ValueError(f"strength must be between 1 and {len(NAMES)}; received strength={strength!r}.")
     cells = full_product() if cells is None else cells
+    width = len(dataclasses.fields(cells[0])) if cells else len(NAMES)
+    if not 1 <= strength <= width:
+        raise ValueError(f"strength must be between 1 and {width}; received strength={strength!r}.")
     holders: dict[tuple, list[int]] = {}
     for index, cell in enumerate(cells):
         for key in _tuples(cell, strength):
@@ -176,9 +178,9 @@ def covering(strength: int = 2, cells: list[Cell] | None = None) -> list[Cell]:
     return chosen
 
 
-def covers(chosen: list[Cell], strength: int = 2) -> bool:
-    """Whether ``chosen`` holds every t-tuple some valid cell holds (the covering's own check)."""
-    needed = {key for cell in full_product() for key in _tuples(cell, strength)}
+def covers(chosen: list, strength: int = 2, cells: list | None = None) -> bool:
+    """Whether ``chosen`` holds every t-tuple some cell of ``cells`` (default: every valid cell) holds."""
+    needed = {key for cell in (full_product() if cells is None else cells) for key in _tuples(cell, strength)}
     return needed <= {key for cell in chosen for key in _tuples(cell, strength)}
 
 

@@ -325,6 +325,10 @@ def tape_step(hvd, model, optimizer, x, y):
 
 UNEVEN_EPOCHS = 3
 UNEVEN_CASES = ((49, 4, "sgd"), (5, 5, "adam"), (45, 6, "sgd"))  # examples, global batch, optimizer
+# examples, global batch, the MeanSquaredError's reduction (issue 49: a sum, and a mean over random sample weights,
+# each replica's divided by its own weights' sum, on even and uneven splits)
+REDUCTION_CASES = ((20, 10, "sum"), (45, 6, "sum"), (40, 10, "mean_with_sample_weight"),
+                   (45, 6, "mean_with_sample_weight"))
 
 
 def uneven_data(examples: int):
@@ -334,30 +338,43 @@ def uneven_data(examples: int):
     return x, (x @ rng.normal(size=(6, 1))).astype("float32")
 
 
-def uneven_model(optimizer: str):
-    """A seeded MLP with an L2 regularizer (regularization keeps its per-step weight): SGD, Adam, or SGD with a
-    ``loss_scale_factor`` of 3."""
+def uneven_model(optimizer: str, reduction: str = "sum_over_batch_size"):
+    """A seeded MLP with an L2 regularizer (regularization keeps its per-step weight): SGD, Adam, SGD with a
+    ``loss_scale_factor`` of 3, or a slow SGD; the mean squared error reduced by ``reduction``."""
     import keras
 
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2"),
                               keras.layers.Dense(1)])
     optimizers = {"adam": lambda: keras.optimizers.Adam(0.01), "sgd": lambda: keras.optimizers.SGD(0.05),
-                  "sgd_scaled": lambda: keras.optimizers.SGD(0.05, loss_scale_factor=3.0)}
-    model.compile(optimizers[optimizer](), "mse", metrics=["mae"])
+                  "sgd_scaled": lambda: keras.optimizers.SGD(0.05, loss_scale_factor=3.0),
+                  "sgd_slow": lambda: keras.optimizers.SGD(0.005)}  # a sum's gradients grow with the batch
+    model.compile(optimizers[optimizer](), keras.losses.MeanSquaredError(reduction=reduction), metrics=["mae"])
     return model
 
 
-def uneven_run(model, examples: int, batch: int) -> dict:
-    """fit for UNEVEN_EPOCHS, evaluate and predict on global batches of ``batch``: what a user compares."""
+def uneven_run(model, examples: int, batch: int, weighted: bool = False) -> dict:
+    """fit for UNEVEN_EPOCHS, evaluate and predict on global batches of ``batch`` (with random sample weights if
+    ``weighted``): what a user compares."""
     import tensorflow as tf
 
     x, y = uneven_data(examples)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    weights = (np.random.default_rng(5).uniform(0.1, 2.0, size=examples).astype("float32"),) if weighted else ()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, *weights)).batch(batch)
     history = model.fit(dataset, epochs=UNEVEN_EPOCHS, verbose=0)
     return {"weights": [w.tolist() for w in model.get_weights()], "loss": history.history["loss"],
             "evaluate": model.evaluate(dataset, verbose=0), "predict": model.predict(dataset, verbose=0).tolist(),
             "iterations": int(model.optimizer.iterations.numpy())}
+
+
+def reduction_run(examples: int, batch: int, reduction: str, strategy=None) -> dict:
+    """``uneven_run`` of a slow SGD on the mean squared error reduced by ``reduction`` (REDUCTION_CASES), under
+    ``strategy`` (None: one device)."""
+    import contextlib
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = uneven_model("sgd_slow", reduction)
+    return uneven_run(model, examples, batch, weighted=reduction == "mean_with_sample_weight")
 
 
 def assert_uneven_run_equal(got: dict, want: dict, examples: int, batch: int) -> None:

@@ -43,8 +43,9 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
   the timeline, and gives TensorBoard each worker's step times.
 * ``py_dataset_build``: a ``PyDataset`` with workers keeps its first batches under a strategy
   (Keras' build took them from the running enqueuer).
-* ``batch_shares``: in ``fit`` each replica's loss weighs by its share of the global batch, so a
-  batch that does not split evenly trains as on one device (Keras weighs by 1 / replicas).
+* ``batch_shares``: in ``fit`` and ``evaluate`` every loss term weighs by its share of the global
+  batch (its divisor: examples, sample weights, unmasked values; 1 for a sum), so a batch that does
+  not split evenly trains and logs as on one device (Keras weighs each mean by 1 / replicas).
 * ``preemption``: each ``fit`` is a session of the agreed stop: a stop signal or a callback's
   ``stop_training`` on one worker stops every worker after one agreed step (or epoch); a
   preempted fit saves through BackupAndRestore and exits 85.

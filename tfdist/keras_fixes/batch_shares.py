@@ -1,68 +1,83 @@
-"""Each replica's loss weighs by its share of the global batch, as one device weighs every example.
+"""Every loss term weighs by its share of the global batch's divisor, as one device weighs every example.
 
-Keras 3 (as tf.keras 2, plain MirroredStrategy and Horovod) divides each replica's mean loss
-by the number of replicas (``losses.loss.scale_loss_for_distribution``), so when a global
-batch does not split evenly (the last batch of 49 examples in batches of 4 on 2 replicas is
-split 1/0; a batch of 5 is split 3/2) the examples of the smaller share weigh more than on
-one device. Here, in ``fit``'s train step under several replicas, each replica's mean
-losses weigh count / global count instead of 1 / replicas, where count is its examples:
+Keras 3 (as tf.keras 2, plain MirroredStrategy and Horovod) divides each replica's mean loss by
+the number of replicas (``losses.loss.scale_loss_for_distribution``), so when a global batch
+does not split evenly (the last batch of 49 examples in batches of 4 on 2 replicas is split
+1/0; a batch of 5 is split 3/2) the examples of the smaller share weigh more than on one
+device. Here, in ``fit``'s train and test steps under several replicas, every term of the
+step's loss (what its ``compute_loss`` sums) weighs by exactly what one device gives it:
 
-* by default the loss is multiplied by the count, and the count rides in the first float32
-  gradient bucket's all-reduce (``gradient_buckets``), whose sums are then divided by the
-  global count: one float more in a collective sent anyway;
-* where a loss multiplied by the count could overflow (float16 compute or a loss scale, the
-  float16 wire) or gradients are all-reduced once for several steps (gradient accumulation),
-  the replicas all-reduce their counts first (one scalar collective a step, issued before the
-  forward pass) and the loss is multiplied by count / global count.
+* a mean (``sum_over_batch_size``, ``mean``, ``mean_with_sample_weight``) by the replica's
+  divisor over the global batch's (Keras divides by the loss values, the sample weights'
+  sum or the unmasked values: ``losses.loss.reduce_values``);
+* a ``sum`` (or ``None``, which Keras sums through the gradient) by 1: summed over the
+  replicas it is the global batch's sum;
+* an additional loss (``add_loss``, regularization) and a loss function that returns a
+  scalar (taken as a mean over the replica's examples) by the replica's examples over the
+  global batch's.
 
-Only the loss the gradients come from (the step's ``compute_loss``) weighs so: a Loss used as a
-metric, or called for ``add_loss`` in the forward pass, keeps Keras' scaling. The losses' display
-(Keras' trackers divide the same factor out again and weigh by the batch
-size) and regularization losses (identical on every replica: their shares add up to 1) keep
-their one-device values; with an even split the weights are Keras'.
+Where the divisor is the examples times a fixed number of values each (a mean with no
+sample weights and no mask), the replica knows its share from its own count: by default
+every term is then multiplied by the global count too, the count rides in the first float32
+gradient bucket's all-reduce (``gradient_buckets``), and the sums are divided by the global
+count after: one float more in a collective sent anyway. Any other divisor (and the global
+count, for a sum) is all-reduced where the term is computed: one small collective more for
+such a term. Under float16 compute or a loss scale (a loss multiplied by the count could
+overflow), the float16 wire or gradient accumulation (the sums of several steps are
+all-reduced at once), and for a ``compute_loss`` of the model's own, nothing is divided
+after: each term is multiplied by its share alone.
 
-The count is the batch size of the first input, what Keras' loss tracker weighs by; a mean
-over several elements per example (a sequence loss) is exact when every example has as
-many. Masked losses divide by their unmasked elements, which this count does not see: they
-stay as exact as in Keras. ``TFDIST_BATCH_WEIGHTING=keras`` (read when a step is traced)
-gives Keras' 1 / replicas weighting back, for comparing with old runs.
+A ``compute_loss`` of the model's own weighs what it computes through Keras' losses
+(``super().compute_loss``, a Loss it calls) exactly; a tensor of its own is summed over the
+replicas as Keras does (divide it by the global batch, e.g. with ``compute_average_loss``).
+Only the loss the step computes weighs so: a Loss called in the forward pass (for
+``add_loss``) keeps Keras' scaling, then weighs as an additional loss. The logged loss is one
+device's: Keras' tracker divides each replica's figure by its count's share again.
+``TFDIST_BATCH_WEIGHTING=keras`` (read when a step is traced) gives Keras' 1 / replicas
+weighting back, for comparing with old runs.
 
-A ``train_step`` of the user's own that does not call ``super().train_step`` keeps Keras'
-weighting (it computes its loss its own way): ``compute_average_loss`` gives it the exact one.
+A ``train_step`` of the user's own that does not call ``super().train_step`` keeps Keras' weighting
+(it computes its loss its own way): ``compute_average_loss`` gives it the exact one.
 
 Custom loops: ``compute_average_loss`` is ``tf.nn.compute_average_loss`` without the global
 batch size (the replicas add their counts up).
 
 Outside any strategy (tfdist.horovod) the train step and ``compute_average_loss`` note the
 process's examples (``note_examples``), which the step's Horovod gradient reduction weighs
-each process's mean gradients by (``examples_to_weigh``).
+each process's mean gradients by (``examples_to_weigh``); a step with a term that is no mean
+over the examples (a sum, sample weights, a mask) keeps Horovod's average instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
 import tensorflow as tf
 from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
+from keras.src.layers.layer import Layer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as trainer_module
 from tensorflow.python.eager import record
+from tensorflow.python.ops.losses import util as tf_losses_util
 
 from tfdist import compression as compression_lib  # the module: it may be importing still (it imports Keras)
 from tfdist.patching import Patch
 
 ENV = "TFDIST_BATCH_WEIGHTING"
 _CHOICES = ("exact", "keras")
-_share = threading.local()  # .value: a _Share, while a train step is traced in this replica's thread
+_MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")  # the reductions Keras divides
+_share = threading.local()  # .value: a _Share, while a step is traced in this replica's thread
 _examples = threading.local()  # .value: (graph, count) noted outside any strategy, for a tfdist.horovod reduction
 
 patch = Patch(
     "batch_shares", "Keras (as tf.distribute and Horovod) weighs each replica's mean loss by 1 / replicas",
     without="a global batch that does not split evenly over the replicas weighs the examples of the smaller "
-            "share more than one device does (weights drift from one device's with every partial batch).")
+            "share more than one device does (weights drift from one device's with every partial batch); a loss "
+            "of another reduction weighs as Keras weighs it.")
 
 
 def weighting() -> str:
@@ -85,13 +100,82 @@ def global_count(local_count) -> tf.Tensor:
 
 
 class _Share:
-    """One replica's weighing in a traced train step: ``factor`` multiplies Keras' per-replica loss scale away
-    (count, or count / global count); ``count`` is set while the gradient all-reduce still has to divide the sums
-    by the global count."""
+    """One replica's weighing of the loss terms of a traced step.
 
-    def __init__(self, factor: tf.Tensor, count: tf.Tensor | None):
-        self.factor, self.count, self.reduced = factor, count, False
+    Each term is multiplied by its share (its divisor here over the global batch's, or 1 for a sum) times
+    ``F``: the global example count when ``divided_after`` (the gradient all-reduce divides the sums by it;
+    the test step's logged loss is divided by it too), else 1. ``observe`` (tfdist.horovod, no strategy): the
+    terms keep Keras' values, and a term that is no mean over the examples turns the weighing off.
+    """
+
+    def __init__(self, count: tf.Tensor, divided_after: bool, observe: bool = False):
+        self.count, self.divided_after, self.observe = count, divided_after, observe
         self.in_loss = False  # inside the step's compute_loss: only the losses it sums weigh by the share
+        self.additional = None  # (model, its losses as this replica's forward pass left them), in compute_loss
+        self.unweighed = False  # inside reduce_values: Keras' own 1 / replicas stays out, the term weighs after
+        self.mask = None  # the mask of the loss being reduced (reduce_weighted_values)
+        self.reduced = False  # the count rode in a gradient all-reduce
+        self.per_example_only = True  # every term was a mean over the examples (tfdist.horovod weighs only then)
+        self._total = None  # the global example count, once all-reduced
+
+    def total(self) -> tf.Tensor:
+        if self._total is None:
+            self._total = global_count(self.count)
+        return self._total
+
+    def per_example(self) -> tf.Tensor:
+        """A mean over this replica's examples: count / global count, times F."""
+        if self.observe:
+            return tf.ones(())
+        return self.count if self.divided_after else self.count / self.total()
+
+    def summed(self) -> tf.Tensor:
+        """A sum over this replica's examples: 1, times F."""
+        self.per_example_only = False
+        if self.observe:
+            return tf.ones(())
+        return self.total() if self.divided_after else tf.ones(())
+
+    def divided_by(self, divisor) -> tf.Tensor:
+        """A sum divided by ``divisor`` here: divisor / the replicas' divisors added up, times F."""
+        self.per_example_only = False
+        if self.observe:
+            return tf.ones(())
+        context = tf.distribute.get_replica_context()
+        both = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([tf.cast(divisor, tf.float32), self.count]))
+        if self._total is None:
+            self._total = both[1]
+        share = tf.math.divide_no_nan(tf.cast(divisor, tf.float32), both[0])
+        return share * self._total if self.divided_after else share
+
+    def of_term(self, values, sample_weight, reduction) -> tf.Tensor:
+        """The factor of a term Keras reduced from ``values`` (``losses.loss.reduce_values``' arguments)."""
+        if values.shape.rank == 0:  # Keras leaves a scalar as it is: a mean over the examples, presumably
+            return self.per_example()
+        if reduction not in _MEANS or values.shape == (0,):  # a sum (None: summed by the gradient), or nothing
+            return self.summed()
+        if self.mask is not None and reduction != "mean_with_sample_weight":  # Keras divides by unmasked values
+            return self.divided_by(tf.reduce_sum(tf.cast(self.mask, tf.float32)))
+        if reduction == "mean_with_sample_weight" and sample_weight is not None:
+            return self.divided_by(tf.reduce_sum(tf.cast(sample_weight, tf.float32)))
+        if values.shape[1:].is_fully_defined():  # examples times a fixed number of values each
+            return self.per_example()
+        return self.divided_by(tf.cast(tf.size(values), tf.float32))
+
+
+@contextlib.contextmanager
+def _weighing(share: _Share):
+    _share.value = share
+    try:
+        yield share
+    finally:
+        _share.value = None
+
+
+def _term_share() -> _Share | None:
+    """The share that weighs a loss term now: inside a step's compute_loss only."""
+    share = getattr(_share, "value", None)
+    return share if share is not None and share.in_loss else None
 
 
 def note_examples(count, in_a_train_step: bool = False) -> None:
@@ -109,11 +193,14 @@ def note_examples(count, in_a_train_step: bool = False) -> None:
 
 
 def examples_to_weigh() -> tf.Tensor | None:
-    """The examples noted in the step being built (then forgotten), or None (none noted, or Keras' weighting):
-    a tfdist.horovod reduction multiplies each process's mean gradients by them and divides the sums by the total."""
+    """The examples noted in the step being built (then forgotten), or None (none noted, Keras' weighting, or a
+    loss term that is no mean over the examples): a tfdist.horovod reduction multiplies each process's mean
+    gradients by them and divides the sums by the total."""
     noted = getattr(_examples, "value", None)
     _examples.value = None
-    if noted is None or not _inside(noted[0]) or weighting() != "exact":
+    share = getattr(_share, "value", None)
+    if noted is None or not _inside(noted[0]) or weighting() != "exact" or \
+            (share is not None and not share.per_example_only):
         return None
     return noted[1]
 
@@ -131,27 +218,28 @@ def _inside(graph) -> bool:
     return current is graph
 
 
+def _several_replicas() -> bool:
+    context = tf.distribute.get_replica_context()
+    return context is not None and context.num_replicas_in_sync > 1
+
+
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "train_step", ("self", "data"))
 def _train_step_weighed_by_shares(original, self, data):
-    context, exact = tf.distribute.get_replica_context(), weighting() == "exact"
-    if context is None or context.num_replicas_in_sync <= 1 or not exact:
-        if exact and _reduces_across_processes(self.optimizer):
-            note_examples(_count_of(data), in_a_train_step=True)  # hvd.DistributedOptimizer weighs by them
-        try:
+    if weighting() != "exact":
+        return original(self, data)
+    if not _several_replicas():
+        if not _reduces_across_processes(self.optimizer):
             return original(self, data)
+        note_examples(_count_of(data), in_a_train_step=True)  # hvd.DistributedOptimizer weighs by them
+        try:
+            with _weighing(_Share(_count_of(data), divided_after=False, observe=True)):
+                return original(self, data)
         finally:
             _examples.value = None
-    count = _count_of(data)
-    if _count_rides_in_a_bucket(self):
-        share = _Share(count, count)
-    else:
-        share = _Share(count / global_count(count), None)
-    _share.value = share
-    try:
+    share = _Share(_count_of(data), divided_after=_count_rides_in_a_bucket(self) and _keras_computes_the_loss(self))
+    with _weighing(share):
         outputs = original(self, data)
-    finally:
-        _share.value = None
-    if share.count is not None and self.trainable_weights and not share.reduced:
+    if share.divided_after and self.trainable_weights and not share.reduced:
         raise RuntimeError(
             f"tfdist weighs each replica's loss by its examples and divides the all-reduced gradients by the global "
             f"count, but no gradient of this train step was all-reduced through Keras' optimizer "
@@ -160,10 +248,25 @@ def _train_step_weighed_by_shares(original, self, data):
     return outputs
 
 
+@patch.replaces(keras_tf_trainer.TensorFlowTrainer, "test_step", ("self", "data"))
+def _test_step_weighed_by_shares(original, self, data):
+    """The loss ``evaluate`` (and fit's validation) logs is one device's, whatever the reduction or split."""
+    if weighting() != "exact" or not _several_replicas():
+        return original(self, data)
+    float16 = getattr(self.dtype_policy, "compute_dtype", "float32") == "float16"
+    with _weighing(_Share(_count_of(data), divided_after=not float16 and _keras_computes_the_loss(self))):
+        return original(self, data)
+
+
 def _reduces_across_processes(optimizer) -> bool:
     """Whether ``optimizer`` (or a LossScaleOptimizer's inner one) is a tfdist.horovod DistributedOptimizer."""
     inner = getattr(optimizer, "inner_optimizer", None)
     return any(getattr(o, "_tfdist_reduction", None) is not None for o in (optimizer, inner))
+
+
+def _keras_computes_the_loss(model) -> bool:
+    """Whether ``model``'s loss is Keras' own ``compute_loss`` (every term passes through its losses)."""
+    return type(model).compute_loss is trainer_module.Trainer.compute_loss
 
 
 def _count_of(data) -> tf.Tensor:
@@ -187,62 +290,142 @@ def _count_rides_in_a_bucket(model) -> bool:
 
 @patch.replaces(trainer_module.Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training"))
 def _loss_weighed_by_share(original, self, *args, **kwargs):
-    """The training loss (what the gradients come from): a Loss called elsewhere in the step (as a metric, in
-    ``add_loss`` during the forward pass) keeps Keras' scaling, as its value is not divided back."""
+    """The step's loss (what the gradients come from): a Loss called elsewhere in the step (in the forward
+    pass, for ``add_loss``) keeps Keras' scaling there."""
     share = getattr(_share, "value", None)
     if share is None:
         return original(self, *args, **kwargs)
-    share.in_loss = True
+    share.in_loss, share.additional = True, (self, self.losses)
     try:
         return original(self, *args, **kwargs)
     finally:
-        share.in_loss = False
+        share.in_loss, share.additional = False, None
+
+
+@patch.replaces(Layer, "losses", ("self",))
+def _this_replicas_losses(original, self):
+    """In a step's compute_loss, the model's ``add_loss`` losses of this replica's forward pass.
+
+    Keras keeps them on the layers, which every replica of a MirroredStrategy shares, and a replica's outermost
+    call clears them: a share's collective in compute_loss (a merge_call: the next replica's thread traces its
+    forward pass) would leave this replica reading another replica's losses.
+    """
+    share = getattr(_share, "value", None)
+    if share is not None and share.additional is not None and share.additional[0] is self:
+        return list(share.additional[1])
+    return original(self)
 
 
 def count_to_reduce() -> tf.Tensor | None:
     """The count to all-reduce with the gradients (then divide their sums by the global count), or None."""
     share = getattr(_share, "value", None)
-    if share is None or share.count is None:
+    if share is None or not share.divided_after:
         return None
     share.reduced = True
     return share.count
 
 
+@patch.replaces(loss_module, "reduce_weighted_values", ("values", "sample_weight", "mask", "reduction", "dtype"))
+def _reduce_weighted_by_share(original, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
+                              dtype=None):
+    """Notes the loss's mask for ``reduce_values``: a masked mean's divisor is its unmasked values."""
+    share = _term_share()
+    if share is None or mask is None:
+        return original(values, sample_weight, mask, reduction, dtype)
+    share.mask = mask
+    try:
+        return original(values, sample_weight, mask, reduction, dtype)
+    finally:
+        share.mask = None
+
+
+@patch.replaces(loss_module, "reduce_values", ("values", "sample_weight", "reduction"))
+def _reduce_by_share(original, values, sample_weight=None, reduction="sum_over_batch_size"):
+    """A term of the step's loss: Keras' one-device value here, times its share of the global batch."""
+    share = _term_share()
+    if share is None:
+        return original(values, sample_weight, reduction)
+    share.unweighed = True
+    try:
+        value = original(values, sample_weight, reduction)
+    finally:
+        share.unweighed = False
+    return value * tf.cast(share.of_term(values, sample_weight, reduction), value.dtype)
+
+
 @patch.replaces(loss_module, "scale_loss_for_distribution", ("value",))
 def _scale_by_share(original, value):
-    share = getattr(_share, "value", None)
-    if share is None or not share.in_loss:
+    """Keras' 1 / replicas: left out of a term ``reduce_values`` weighs; an additional loss (``add_loss``,
+    regularization) weighs by the replica's examples."""
+    share = _term_share()
+    if share is None:
         return original(value)
-    return value * tf.cast(share.factor, value.dtype)
+    if share.unweighed:
+        return value
+    return value * tf.cast(share.per_example(), value.dtype)
 
 
 @patch.replaces(loss_module, "unscale_loss_for_distribution", ("value",))
 def _unscale_by_share(original, value):
+    """A replica's loss as Keras' trackers take it, so that they log one device's figure.
+
+    The loss tracker (after compute_loss) weighs each replica's loss by its count: divided by the count's share
+    (times F) it adds up to one device's. The loss of each output (updated inside compute_loss) weighs every
+    update alike: there a replica's share of the output's loss times the replicas. A loss of several values
+    (reduction None) is averaged value by value, each weighed by the count: divided by F alone it is one
+    device's with an even split (a partial one weighs its batches a little otherwise: one device weighs each by
+    its examples squared).
+    """
     share = getattr(_share, "value", None)
-    if share is None:
+    if share is None or share.observe:
         return original(value)
-    return tf.math.divide_no_nan(value, tf.cast(share.factor, value.dtype))
+    times = share.total() if share.divided_after else tf.ones(())
+    if share.in_loss:
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        return value * tf.cast(replicas / times, value.dtype)
+    if value.shape.rank != 0:
+        return value / tf.cast(times, value.dtype)
+    return tf.math.divide_no_nan(value, tf.cast(share.per_example(), value.dtype))
 
 
 def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:
     """This replica's part of the global batch's mean loss: the weighted sum over its examples divided by the
     global batch's example count (its replicas' counts all-reduced), so every example weighs as on one device
-    however the batch split. ``tf.nn.compute_average_loss`` without ``global_batch_size``; call it in
-    ``strategy.run`` and add ``tf.nn.scale_regularization_loss(...)`` for regularization. Under tfdist.horovod
-    (no strategy) it is this process's mean, and, called inside the ``tf.GradientTape`` whose gradients a
-    ``DistributedGradientTape`` reduces, it makes that reduction weigh each process by its examples.
+    however the batch split. ``tf.nn.compute_average_loss`` without ``global_batch_size`` (``sample_weight``
+    broadcast and checked as there); call it in ``strategy.run`` and add ``tf.nn.scale_regularization_loss(...)``
+    for regularization. Under tfdist.horovod (no strategy) it is this process's mean, and, called inside the
+    ``tf.GradientTape`` whose gradients a ``DistributedGradientTape`` reduces, it makes that reduction weigh
+    each process by its examples.
 
     Raises:
-        ValueError: a scalar ``per_example_loss`` (it needs one value per example).
+        ValueError: a scalar ``per_example_loss`` (it needs one value per example), or a ``sample_weight`` that
+            does not broadcast to it.
+        RuntimeError: called in cross-replica context (outside ``strategy.run``) under a strategy.
     """
     per_example_loss = tf.convert_to_tensor(per_example_loss)
     if per_example_loss.shape.rank == 0:
         raise ValueError("compute_average_loss takes one loss per example (a tensor of shape [batch, ...]); received "
                          "a scalar: compute the loss with reduction='none'.")
-    if sample_weight is not None:
-        per_example_loss = per_example_loss * tf.cast(sample_weight, per_example_loss.dtype)
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        raise RuntimeError("compute_average_loss is called in cross-replica context: call it inside "
+                           "strategy.run(...), in the function each replica runs (as tf.nn.compute_average_loss).")
+    dtype = per_example_loss.dtype
+    with tf_losses_util.check_per_example_loss_rank(per_example_loss):
+        if sample_weight is not None:
+            per_example_loss = _weighed(per_example_loss, tf.convert_to_tensor(sample_weight))
+        per_example_loss = tf.cast(per_example_loss, dtype)
     count = tf.shape(per_example_loss)[0]
     note_examples(count)  # a tfdist.horovod tape weighs this process's gradients by it
-    context = tf.distribute.get_replica_context()
-    total = tf.cast(count, tf.float32) if context is None else global_count(count)
-    return tf.math.divide_no_nan(tf.reduce_sum(per_example_loss), tf.cast(total, per_example_loss.dtype))
+    total = tf.cast(count, tf.float32) if not _several_replicas() else global_count(count)
+    return tf.math.divide_no_nan(tf.reduce_sum(per_example_loss), tf.cast(total, dtype))
+
+
+def _weighed(per_example_loss, sample_weight):
+    """``per_example_loss`` times ``sample_weight`` as ``tf.nn.compute_average_loss`` multiplies them."""
+    try:
+        return tf_losses_util.scale_losses_by_sample_weight(per_example_loss, sample_weight)
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
+        raise ValueError(
+            f"compute_average_loss: sample_weight of shape {sample_weight.shape} does not broadcast to "
+            f"per_example_loss of shape {per_example_loss.shape} (as tf.nn.compute_average_loss needs): give one "
+            f"weight per example ([batch] or [batch, 1]) or one per loss value. ({error})") from error
