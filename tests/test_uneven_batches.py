@@ -3,6 +3,8 @@
 that does not divide by the replicas no longer fails Keras' build. The 2- and 3-worker cases run in
 tests/test_multi_worker.py."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -128,25 +130,29 @@ class _LossInAddLoss(keras.layers.Layer):
         return inputs
 
 
-def test_losses_called_outside_the_training_loss_keep_keras_scaling(monkeypatch):
-    """Only the loss the gradients come from weighs by the share: a Loss used as a metric, or called for
-    ``add_loss`` in the forward pass, is not multiplied by the replica's count (it read 32 times its value), so
-    with an even split both weightings give the same weights and metrics."""
-    x, y = common.uneven_data(64)
+def test_losses_called_outside_the_training_loss_weigh_as_on_one_device():
+    """A Keras Loss called for ``add_loss`` in the forward pass (Keras scaled it by 1/replicas there and again as
+    an additional loss: 1/replicas of one device's), and Losses used as metrics (Keras logged the mean of the
+    replicas' 1/replicas shares: half of one device's on 2), on 45 examples in batches of 6 (the last splits
+    2/1): one device's weights and logs."""
+    x, y = common.uneven_data(45)
 
-    def run():
-        with tfdist.scope("mirrored", devices="CPU:[0-1]"):
+    def run(strategy=None):
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), _LossInAddLoss(),
                                       keras.layers.Dense(1)])
-            model.compile(keras.optimizers.SGD(0.05), "mse", metrics=[keras.losses.MeanAbsoluteError(name="mae_loss")])
-        history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights(), history.history
+            model.compile(keras.optimizers.SGD(0.05), "mse", metrics=[
+                keras.losses.MeanAbsoluteError(name="mae_loss"), keras.losses.MeanSquaredError(reduction="sum")])
+        history = model.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights(), history.history, model.evaluate(x, y, batch_size=6, verbose=0)
 
-    exact_weights, exact_history = run()
-    monkeypatch.setenv(batch_shares.ENV, "keras")
-    keras_weights, keras_history = run()
-    for got, want in zip(exact_weights, keras_weights):
-        np.testing.assert_allclose(got, want, atol=1e-6)
-    np.testing.assert_allclose(exact_history["mae_loss"], keras_history["mae_loss"], rtol=1e-6)
-    np.testing.assert_allclose(exact_history["loss"], keras_history["loss"], rtol=1e-5)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]") as strategy:
+        pass
+    (got, got_history, got_evaluated), (want, want_history, want_evaluated) = run(strategy), run()
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert sorted(got_history) == sorted(want_history)
+    for key in want_history:
+        np.testing.assert_allclose(got_history[key], want_history[key], rtol=1e-5)
+    np.testing.assert_allclose(got_evaluated, want_evaluated, rtol=1e-5)

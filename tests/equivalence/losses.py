@@ -4,8 +4,8 @@ Every loss class ``keras.losses`` exports x every reduction Keras accepts x no w
 ``sample_weight`` or ``class_weight`` x an even or a partial split trains one epoch with Keras
 ``fit`` on 2 logical CPUs under tfdist's strategy and on one device, from the same weights:
 the weights, the loss ``fit`` logs and ``evaluate``'s loss must be one device's. Every metric
-class ``keras.metrics`` exports, plain and as a weighted metric, must report one device's figure
-in ``fit``'s logs and in ``evaluate``. A loss or metric that a later Keras adds joins by itself,
+class ``keras.metrics`` exports, plain and as a weighted metric, and every loss class used as a
+metric must report one device's figure in ``fit``'s logs and in ``evaluate``. A loss or metric that a later Keras adds joins by itself,
 with the labels of its kind in ``LOSS_KINDS`` / ``METRIC_KINDS`` (regression labels where
 neither names it). The cells run in the calling process (``tests/test_loss_matrix.py`` runs ``ci_cells``);
 ``python -m tests.equivalence.losses [--all]`` prints the table (``--all``: every cell, about 40 minutes).
@@ -277,15 +277,23 @@ def run_loss_cell(cell: LossCell, strategy) -> matrix.Verdict:
 
 
 def run_metric_cell(cell: MetricCell, strategy) -> matrix.Verdict:
-    """Trains ``cell``'s model with every metric of its kind, plain and weighted; the verdict on what differs."""
+    """Trains ``cell``'s model with every metric and loss of its kind as metrics, plain and weighted; the verdict
+    on what differs."""
     x, y, weighting = _data(cell.kind, cell.weighting, cell.split)
 
     def compile_kwargs():
         def make(name, prefix):
             return getattr(keras.metrics, name)(name=prefix + name, **METRIC_ARGUMENTS.get(name, {}))
 
+        def loss_metric(name):  # a Keras Loss used as a metric (Keras averages its replicas' values)
+            return getattr(keras.losses, name)(name=f"{name}_loss", **LOSS_ARGUMENTS.get(name, {}))
+
         names = metrics_of(cell.kind)
-        return {"loss": KIND_LOSS.get(cell.kind, "mse"), "metrics": [make(n, "") for n in names],
+        # not as weighted metrics: Keras fails there on one device (the Loss reduces to a scalar, which its
+        # Mean cannot weigh by the batch's sample weights)
+        as_metrics = [name for name in keras_losses() if loss_kind(name) == cell.kind and name not in BATCH_COUPLED]
+        return {"loss": KIND_LOSS.get(cell.kind, "mse"),
+                "metrics": [make(n, "") for n in names] + [loss_metric(n) for n in as_metrics],
                 "weighted_metrics": [make(n, "weighted_") for n in names]}
 
     return _verdict(cell, cell.kind, compile_kwargs, x, y, weighting, strategy)

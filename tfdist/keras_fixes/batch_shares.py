@@ -100,19 +100,23 @@ def global_count(local_count) -> tf.Tensor:
 
 
 class _Share:
-    """One replica's weighing of the loss terms of a traced step.
+    """One replica's weighing of the losses of a traced step.
 
-    Each term is multiplied by its share (its divisor here over the global batch's, or 1 for a sum) times
-    ``F``: the global example count when ``divided_after`` (the gradient all-reduce divides the sums by it;
-    the test step's logged loss is divided by it too), else 1. ``observe`` (tfdist.horovod, no strategy): the
-    terms keep Keras' values, and a term that is no mean over the examples turns the weighing off.
+    In the step's compute_loss (``stage`` "loss") each term is multiplied by its share (its divisor here over
+    the global batch's, or 1 for a sum) times ``F``: the global example count when ``divided_after`` (the
+    gradient all-reduce divides the sums by it; the test step's logged loss is divided by it too), else 1. A
+    Keras Loss reduced in the forward pass ("forward") keeps one device's value of the replica's examples (an
+    ``add_loss`` of it then weighs as one); one reduced after compute_loss ("metrics": a Loss used as a metric,
+    which averages every replica's update alike) weighs by its share times the replicas. ``observe``
+    (tfdist.horovod, no strategy): the terms keep Keras' values, and a term that is no mean over the examples
+    turns the weighing off.
     """
 
     def __init__(self, count: tf.Tensor, divided_after: bool, observe: bool = False):
         self.count, self.divided_after, self.observe = count, divided_after, observe
-        self.in_loss = False  # inside the step's compute_loss: only the losses it sums weigh by the share
+        self.stage = "forward"  # then "loss" inside the step's compute_loss, then "metrics"
         self.additional = None  # (model, its losses as this replica's forward pass left them), in compute_loss
-        self.unweighed = False  # inside reduce_values: Keras' own 1 / replicas stays out, the term weighs after
+        self.unweighed = False  # inside reduce_values: Keras' own 1 / replicas stays out, the loss weighs after
         self.mask = None  # the mask of the loss being reduced (reduce_weighted_values)
         self.reduced = False  # the count rode in a gradient all-reduce
         self.per_example_only = True  # every term was a mean over the examples (tfdist.horovod weighs only then)
@@ -123,44 +127,42 @@ class _Share:
             self._total = global_count(self.count)
         return self._total
 
-    def per_example(self) -> tf.Tensor:
-        """A mean over this replica's examples: count / global count, times F."""
-        if self.observe:
-            return tf.ones(())
-        return self.count if self.divided_after else self.count / self.total()
+    def per_example(self, times_total: bool) -> tf.Tensor:
+        """A mean over this replica's examples: count / global count (times the global count)."""
+        return self.count if times_total else self.count / self.total()
 
-    def summed(self) -> tf.Tensor:
-        """A sum over this replica's examples: 1, times F."""
-        self.per_example_only = False
-        if self.observe:
-            return tf.ones(())
-        return self.total() if self.divided_after else tf.ones(())
+    def summed(self, times_total: bool) -> tf.Tensor:
+        """A sum over this replica's examples: 1 (times the global count)."""
+        return self.total() if times_total else tf.ones(())
 
-    def divided_by(self, divisor) -> tf.Tensor:
-        """A sum divided by ``divisor`` here: divisor / the replicas' divisors added up, times F."""
-        self.per_example_only = False
-        if self.observe:
-            return tf.ones(())
+    def divided_by(self, divisor, times_total: bool) -> tf.Tensor:
+        """A sum divided by ``divisor`` here: divisor / the replicas' divisors added up (times the global count)."""
         context = tf.distribute.get_replica_context()
         both = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([tf.cast(divisor, tf.float32), self.count]))
         if self._total is None:
             self._total = both[1]
         share = tf.math.divide_no_nan(tf.cast(divisor, tf.float32), both[0])
-        return share * self._total if self.divided_after else share
+        return share * self._total if times_total else share
 
-    def of_term(self, values, sample_weight, reduction) -> tf.Tensor:
-        """The factor of a term Keras reduced from ``values`` (``losses.loss.reduce_values``' arguments)."""
-        if values.shape.rank == 0:  # Keras leaves a scalar as it is: a mean over the examples, presumably
-            return self.per_example()
+    def per_example_loss(self, values, sample_weight, reduction) -> bool:
+        """Whether a loss Keras reduced from ``values`` is a mean over the examples: a scalar (taken as one), or a
+        mean over the examples times a fixed number of values each (no sample weights' sum, no mask)."""
+        if values.shape.rank == 0:
+            return True
+        return reduction in _MEANS and values.shape != (0,) and self.mask is None and \
+            values.shape[1:].is_fully_defined() and (reduction != "mean_with_sample_weight" or sample_weight is None)
+
+    def of_loss(self, values, sample_weight, reduction, times_total: bool) -> tf.Tensor:
+        """The factor of a loss Keras reduced from ``values`` (``losses.loss.reduce_values``' arguments)."""
+        if self.per_example_loss(values, sample_weight, reduction):
+            return self.per_example(times_total)
         if reduction not in _MEANS or values.shape == (0,):  # a sum (None: summed by the gradient), or nothing
-            return self.summed()
+            return self.summed(times_total)
         if self.mask is not None and reduction != "mean_with_sample_weight":  # Keras divides by unmasked values
-            return self.divided_by(tf.reduce_sum(tf.cast(self.mask, tf.float32)))
+            return self.divided_by(tf.reduce_sum(tf.cast(self.mask, tf.float32)), times_total)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
-            return self.divided_by(tf.reduce_sum(tf.cast(sample_weight, tf.float32)))
-        if values.shape[1:].is_fully_defined():  # examples times a fixed number of values each
-            return self.per_example()
-        return self.divided_by(tf.cast(tf.size(values), tf.float32))
+            return self.divided_by(tf.reduce_sum(tf.cast(sample_weight, tf.float32)), times_total)
+        return self.divided_by(tf.cast(tf.size(values), tf.float32), times_total)
 
 
 @contextlib.contextmanager
@@ -172,10 +174,8 @@ def _weighing(share: _Share):
         _share.value = None
 
 
-def _term_share() -> _Share | None:
-    """The share that weighs a loss term now: inside a step's compute_loss only."""
-    share = getattr(_share, "value", None)
-    return share if share is not None and share.in_loss else None
+def _current_share() -> _Share | None:
+    return getattr(_share, "value", None)
 
 
 def note_examples(count, in_a_train_step: bool = False) -> None:
@@ -198,7 +198,7 @@ def examples_to_weigh() -> tf.Tensor | None:
     gradients by them and divides the sums by the total."""
     noted = getattr(_examples, "value", None)
     _examples.value = None
-    share = getattr(_share, "value", None)
+    share = _current_share()
     if noted is None or not _inside(noted[0]) or weighting() != "exact" or \
             (share is not None and not share.per_example_only):
         return None
@@ -290,16 +290,15 @@ def _count_rides_in_a_bucket(model) -> bool:
 
 @patch.replaces(trainer_module.Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training"))
 def _loss_weighed_by_share(original, self, *args, **kwargs):
-    """The step's loss (what the gradients come from): a Loss called elsewhere in the step (in the forward
-    pass, for ``add_loss``) keeps Keras' scaling there."""
-    share = getattr(_share, "value", None)
+    """The step's loss (what the gradients come from): the losses Keras reduces in it are its terms."""
+    share = _current_share()
     if share is None:
         return original(self, *args, **kwargs)
-    share.in_loss, share.additional = True, (self, self.losses)
+    share.stage, share.additional = "loss", (self, self.losses)
     try:
         return original(self, *args, **kwargs)
     finally:
-        share.in_loss, share.additional = False, None
+        share.stage, share.additional = "metrics", None
 
 
 @patch.replaces(Layer, "losses", ("self",))
@@ -310,7 +309,7 @@ def _this_replicas_losses(original, self):
     call clears them: a share's collective in compute_loss (a merge_call: the next replica's thread traces its
     forward pass) would leave this replica reading another replica's losses.
     """
-    share = getattr(_share, "value", None)
+    share = _current_share()
     if share is not None and share.additional is not None and share.additional[0] is self:
         return list(share.additional[1])
     return original(self)
@@ -318,7 +317,7 @@ def _this_replicas_losses(original, self):
 
 def count_to_reduce() -> tf.Tensor | None:
     """The count to all-reduce with the gradients (then divide their sums by the global count), or None."""
-    share = getattr(_share, "value", None)
+    share = _current_share()
     if share is None or not share.divided_after:
         return None
     share.reduced = True
@@ -329,7 +328,7 @@ def count_to_reduce() -> tf.Tensor | None:
 def _reduce_weighted_by_share(original, values, sample_weight=None, mask=None, reduction="sum_over_batch_size",
                               dtype=None):
     """Notes the loss's mask for ``reduce_values``: a masked mean's divisor is its unmasked values."""
-    share = _term_share()
+    share = _current_share()
     if share is None or mask is None:
         return original(values, sample_weight, mask, reduction, dtype)
     share.mask = mask
@@ -341,28 +340,45 @@ def _reduce_weighted_by_share(original, values, sample_weight=None, mask=None, r
 
 @patch.replaces(loss_module, "reduce_values", ("values", "sample_weight", "reduction"))
 def _reduce_by_share(original, values, sample_weight=None, reduction="sum_over_batch_size"):
-    """A term of the step's loss: Keras' one-device value here, times its share of the global batch."""
-    share = _term_share()
-    if share is None:
+    """A Keras Loss reduced in a step: one device's value of this replica's examples, then weighed by the stage
+    (``_Share``): a term of the step's loss by its share times F, a Loss used as a metric by its share times
+    the replicas, a Loss in the forward pass not at all."""
+    share = _current_share()
+    if share is None or (share.observe and share.stage != "loss"):
         return original(values, sample_weight, reduction)
     share.unweighed = True
     try:
         value = original(values, sample_weight, reduction)
     finally:
         share.unweighed = False
-    return value * tf.cast(share.of_term(values, sample_weight, reduction), value.dtype)
+    if share.stage == "forward":
+        return value
+    if share.observe:  # tfdist.horovod: Keras' value; only whether it is a mean over the examples counts
+        share.per_example_only &= share.per_example_loss(values, sample_weight, reduction)
+        return value
+    if share.stage == "loss":
+        factor = share.of_loss(values, sample_weight, reduction, share.divided_after)
+    else:
+        factor = share.of_loss(values, sample_weight, reduction, times_total=False) * _replicas()
+    return value * tf.cast(factor, value.dtype)
+
+
+def _replicas() -> int:
+    return tf.distribute.get_replica_context().num_replicas_in_sync
 
 
 @patch.replaces(loss_module, "scale_loss_for_distribution", ("value",))
 def _scale_by_share(original, value):
-    """Keras' 1 / replicas: left out of a term ``reduce_values`` weighs; an additional loss (``add_loss``,
-    regularization) weighs by the replica's examples."""
-    share = _term_share()
-    if share is None:
+    """Keras' 1 / replicas: left out of a loss ``reduce_values`` weighs; an additional loss of the step's loss
+    (``add_loss``, regularization) weighs by the replica's examples."""
+    share = _current_share()
+    if share is None or share.observe:
         return original(value)
     if share.unweighed:
         return value
-    return value * tf.cast(share.per_example(), value.dtype)
+    if share.stage == "loss":
+        return value * tf.cast(share.per_example(share.divided_after), value.dtype)
+    return original(value)
 
 
 @patch.replaces(loss_module, "unscale_loss_for_distribution", ("value",))
@@ -376,16 +392,15 @@ def _unscale_by_share(original, value):
     device's with an even split (a partial one weighs its batches a little otherwise: one device weighs each by
     its examples squared).
     """
-    share = getattr(_share, "value", None)
+    share = _current_share()
     if share is None or share.observe:
         return original(value)
     times = share.total() if share.divided_after else tf.ones(())
-    if share.in_loss:
-        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
-        return value * tf.cast(replicas / times, value.dtype)
+    if share.stage == "loss":
+        return value * tf.cast(_replicas() / times, value.dtype)
     if value.shape.rank != 0:
         return value / tf.cast(times, value.dtype)
-    return tf.math.divide_no_nan(value, tf.cast(share.per_example(), value.dtype))
+    return tf.math.divide_no_nan(value, tf.cast(share.per_example(share.divided_after), value.dtype))
 
 
 def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:
