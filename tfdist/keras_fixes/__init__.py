@@ -46,6 +46,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``batch_shares``: in ``fit`` and ``evaluate`` every loss term weighs by its share of the global
   batch (its divisor: examples, sample weights, unmasked values; 1 for a sum), so a batch that does
   not split evenly trains and logs as on one device (Keras weighs each mean by 1 / replicas).
+* ``async_checkpoint``: TensorFlow's ``CheckpointOptions(enable_async=True)`` saves a Keras model
+  more than once (Keras' variables made a new host copy on every save).
 * ``preemption``: each ``fit`` is a session of the agreed stop: a stop signal or a callback's
   ``stop_training`` on one worker stops every worker after one agreed step (or epoch); a
   preempted fit saves through BackupAndRestore and exits 85.
@@ -61,7 +63,7 @@ __all__ = ["PATCHES", "TESTED_KERAS", "KerasCompatibilityWarning", "apply_all", 
 def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
-    from tfdist.keras_fixes import (accumulation, autotune_fit, batch_shares, callbacks, distribution, distribution_cluster,
+    from tfdist.keras_fixes import (accumulation, async_checkpoint, autotune_fit, batch_shares, callbacks, distribution, distribution_cluster,
                                     gradient_buckets, loss_scale, multi_worker, precision_check, preemption,
                                     py_dataset_build, quiet, replica_state, scaled_loss, sharded_state, sparse_rows,
                                     step_report,
@@ -71,7 +73,7 @@ def patches() -> tuple[Patch, ...]:
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
             distribution_cluster.patch, distribution.patch, quiet.patch, step_report.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,
-            scaled_loss.patch, py_dataset_build.patch, batch_shares.patch)
+            scaled_loss.patch, py_dataset_build.patch, batch_shares.patch, async_checkpoint.patch)
 
 
 def apply_all() -> None:
