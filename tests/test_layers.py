@@ -17,7 +17,7 @@ LAYERS = [
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
     (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes")),
-    (5, ("collectives", "ranks", "optimizer", "callbacks", "data")),
+    (5, ("collectives", "ranks", "optimizer", "callbacks", "data", "checkpoint")),
     (6, ("horovod", "ray_train", "bench", "doctor")),
 ]
 

@@ -31,7 +31,7 @@ checks it, imports inside functions included):
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
    ``tf_fixes``, ``runtime_hooks``, ``ray_fixes``;
 5. the public API: ``collectives`` (and finding the job), ``ranks`` (rank helpers),
-   ``optimizer``, ``callbacks``, ``data/*``;
+   ``optimizer``, ``callbacks``, ``data/*``, ``checkpoint/*`` (the checkpoint manager);
 6. fronts that compose the rest: ``horovod/*``, ``ray_train``, ``bench/*``, ``doctor``.
 """
 
@@ -68,6 +68,8 @@ _EXPORTS = {
     "DistributedOptimizer": "tfdist.optimizer",
     "compute_average_loss": "tfdist.keras_fixes.batch_shares",
     "optimizer_state_bytes": "tfdist.keras_fixes.sharded_state",
+    "CheckpointManager": "tfdist.checkpoint",
+    "CheckpointError": "tfdist.errors",
     "ShardingError": "tfdist.errors",
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",

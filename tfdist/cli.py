@@ -1,4 +1,4 @@
-"""The ``tfdist`` command: ``tfdist run|bench|convert|doctor ...``.
+"""The ``tfdist`` command: ``tfdist run|bench|convert|doctor|checkpoint ...``.
 
 Each subcommand's module is imported only when it is used, so ``tfdist run``
 starts without importing TensorFlow.
@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "bench": ("tfdist.bench.cli", "time 1 vs N replicas on a tensorflow-datasets dataset"),
     "doctor": ("tfdist.doctor", "check versions, devices, the cluster and its ports"),
     "convert": ("tfdist.data.convert", "write a tensorflow-datasets split into TFRecord shards"),
+    "checkpoint": ("tfdist.checkpoint.cli", "export a CheckpointManager checkpoint as one .keras file"),
 }
 
 

@@ -114,3 +114,7 @@ class StartupWarning(UserWarning):
 
 class ShardingError(ValueError, TfdistError):
     """An optimizer or option whose state ``shard_optimizer_state=True`` cannot shard exactly; the message names it."""
+
+
+class CheckpointError(TfdistError):
+    """A checkpoint could not be saved, committed or restored; the message says which worker, file or variable."""

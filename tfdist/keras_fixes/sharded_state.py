@@ -502,3 +502,27 @@ def optimizer_state_bytes(optimizer) -> int:
     """Bytes of optimizer state one replica holds: one replica's copy of every variable in ``optimizer.variables``."""
     return sum(int(np.prod(each_copy(v)[0].shape, dtype=np.int64)) * tf.as_dtype(v.dtype).size
                for v in optimizer.variables)
+
+
+def is_shard_slot(variable) -> bool:
+    """Whether ``variable`` is a slot of a sharded optimizer (``_ShardSlot``)."""
+    return isinstance(variable, _ShardSlot)
+
+
+def slot_shape(slot) -> tuple[int, ...]:
+    """A sharded slot's whole shape (its weight's)."""
+    return slot._tfdist_slot.shape
+
+
+def slot_replicas(slot) -> int:
+    """The replicas a sharded slot is split over."""
+    return slot._tfdist_layout.replicas
+
+
+def local_shards(slot) -> list[tuple[int, object]]:
+    """``(replica id, component)`` of each of this process's replicas' shards of a sharded slot (a worker's local
+    replicas follow those of the workers before it, as TensorFlow numbers them)."""
+    strategy = slot._tfdist_strategy
+    components = strategy.experimental_local_results(slot.value)
+    first = process_group.worker_rank(strategy) * len(components)
+    return [(first + k, component) for k, component in enumerate(components)]

@@ -1,0 +1,219 @@
+"""tfdist.CheckpointManager in one process (logical CPUs as replicas): a checkpoint saved by N replicas, sharded
+or not, restores exactly onto M; saves commit atomically, keep the newest, fail with named errors, and export
+as a Keras file plain Keras loads. The multi-worker cases run in tests/test_checkpoint_multi_worker.py."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.jobs import job_env
+from tfdist import sharding, strategy as strategy_lib
+from tfdist.checkpoint import store
+from tfdist.errors import CheckpointError
+
+X = np.random.default_rng(0).normal(size=(48, 5)).astype("float32")
+Y = np.random.default_rng(1).normal(size=(48, 3)).astype("float32")
+
+
+def _strategy(replicas: int):
+    tf.distribute.MirroredStrategy._collective_key_base += 100000  # one process, several strategies
+    if replicas == 1:
+        return tf.distribute.get_strategy()
+    return strategy_lib.make_strategy("mirrored", devices=f"CPU:[0-{replicas - 1}]")
+
+
+def _model(strategy, sharded: bool):
+    with strategy.scope(), sharding.scoped(sharded):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.01, global_clipnorm=1.0), "mse")
+    return model
+
+
+def _state(model) -> list[np.ndarray]:
+    return [np.asarray(v) for v in model.weights] + [np.asarray(v) for v in model.optimizer.variables]
+
+
+def _assert_state_equal(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+# (replicas, sharded) of the saving and the restoring run
+LAYOUTS = [(1, False), (2, True), (2, False), (3, True)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of each saving layout after 2 epochs, with its state."""
+    found = {}
+    for replicas, sharded in LAYOUTS:
+        model = _model(_strategy(replicas), sharded)
+        model.fit(X, Y, batch_size=12, epochs=2, verbose=0)
+        directory = str(tmp_path_factory.mktemp(f"saved-{replicas}-{sharded}"))
+        manager = tfdist.CheckpointManager(directory)
+        manager.save(model)
+        manager.wait()
+        found[replicas, sharded] = (directory, _state(model))
+    return found
+
+
+@pytest.mark.parametrize("source", LAYOUTS, ids=lambda layout: f"from-{layout[0]}{'-sharded' * layout[1]}")
+def test_a_checkpoint_restores_exactly_on_any_replica_count(saved, source):
+    directory, want = saved[source]
+    for replicas, sharded in [(1, False), (2, True), (3, True), (4, True), (2, False)]:
+        model = _model(_strategy(replicas), sharded)
+        assert tfdist.CheckpointManager(directory).restore(model) == 8
+        _assert_state_equal(_state(model), want)
+
+
+def test_training_resumed_from_a_checkpoint_is_the_uninterrupted_training(tmp_path):
+    """Saved after one epoch by 2 sharded replicas, restored onto 3, trained one more: the 2-epoch run's state."""
+    uninterrupted = _model(_strategy(1), False)
+    uninterrupted.fit(X, Y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    first = _model(_strategy(2), True)
+    first.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    tfdist.CheckpointManager(str(tmp_path), async_save=False).save(first)
+    resumed = _model(_strategy(3), True)
+    tfdist.CheckpointManager(str(tmp_path)).restore(resumed)
+    resumed.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(_state(resumed), _state(uninterrupted)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_no_part_of_a_sharded_checkpoint_holds_another_replicas_shard(saved):
+    directory, _ = saved[3, True]
+    manifest = store.read_manifest(store.committed(directory)[-1][1])
+    sharded = [v["key"] for v in manifest["variables"] if v["sharded"]]
+    assert sharded and manifest["workers"] == 1
+    with np.load(store.part_path(store.committed(directory)[-1][1], 0)) as part:
+        assert all(f"{key}/{r}" in part.files for key in sharded for r in range(3))
+        assert not any(key in part.files for key in sharded)  # shards only: no whole slot was gathered
+
+
+def test_a_save_that_fails_before_its_commit_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager = tfdist.CheckpointManager(str(tmp_path))
+    first = manager.save(model)
+    manager.wait()
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+
+    def crash(*args, **kwargs):
+        raise OSError("the machine went down here")
+
+    monkeypatch.setattr(store, "commit", crash)
+    manager.save(model)
+    with pytest.raises(CheckpointError, match=r"Saving the checkpoint of step 8 into .* failed on worker 0: "
+                                              r"OSError: the machine went down here"):
+        manager.wait()
+    assert manager.latest == first
+    monkeypatch.undo()
+    manager.save(model)
+    manager.wait()
+    assert [os.path.basename(p) for _, p in store.committed(str(tmp_path))] == ["step-4", "step-8"]
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".partial")]  # the failed one removed
+
+
+def test_the_newest_checkpoints_are_kept(tmp_path):
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=2)
+    for _ in range(4):
+        model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+        manager.save(model)
+    manager.wait()
+    assert [step for step, _ in store.committed(str(tmp_path))] == [12, 16]
+
+
+def test_an_empty_directory_restores_nothing(tmp_path):
+    assert tfdist.CheckpointManager(str(tmp_path / "none")).restore(_model(_strategy(1), False)) is None
+
+
+def test_two_managers_on_one_directory_is_a_named_error(tmp_path):
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    first, second = tfdist.CheckpointManager(str(tmp_path)), tfdist.CheckpointManager(str(tmp_path))
+    first.save(model)
+    first.wait()
+    second.save(model)
+    second.wait()
+    first.save(model)
+    with pytest.raises(CheckpointError, match=r"Another CheckpointManager \(\w+\) writes .* now: two jobs or two "
+                                              r"managers save into one directory\. Give each its own directory\."):
+        first.wait()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"directory": "gs://bucket/ckpt"}, r"CheckpointManager writes to a local or mounted filesystem .* received "
+                                        r"directory='gs://bucket/ckpt'"),
+    ({"max_to_keep": 0}, r"max_to_keep must be a positive int or None \(keep all\); received max_to_keep=0"),
+])
+def test_bad_arguments_are_named(tmp_path, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        tfdist.CheckpointManager(**{"directory": str(tmp_path), **arguments})
+
+
+def test_a_checkpoint_of_another_model_is_a_named_error(saved):
+    directory, _ = saved[1, False]
+    with _strategy(1).scope():
+        other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(3)])
+        other.compile(keras.optimizers.AdamW(0.01), "mse")
+    with pytest.raises(CheckpointError, match=r"model/0 \(.*kernel\) was saved as float32\(5, 7\); this model's "
+                                              r"model/0 \(.*kernel\) is float32\(5, 4\): it was saved for another"):
+        tfdist.CheckpointManager(directory).restore(other)
+
+
+def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        model = _model(_strategy(1), False)
+        manager = tfdist.CheckpointManager(str(disk))
+        kept = manager.save(model)
+        manager.wait()
+        with _strategy(1).scope():
+            large = keras.Sequential([keras.Input((5,)), keras.layers.Dense(300_000)])
+        too_large = tfdist.CheckpointManager(str(disk))
+        too_large.save(large)
+        with pytest.raises(CheckpointError, match=r"failed on worker 0: OSError: \[Errno 28\] No space left"):
+            too_large.wait()
+        assert manager.latest == kept
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)  # -l: even while a failed write holds a file
+
+
+def test_tfdist_checkpoint_export_writes_a_file_plain_keras_loads_and_resumes(saved, tmp_path):
+    directory, want = saved[3, True]
+    out = tmp_path / "model.keras"
+    done = subprocess.run([sys.executable, "-m", "tfdist.cli", "checkpoint", "export", directory, str(out)],
+                          env=job_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"wrote {out}" in done.stdout
+    np.save(tmp_path / "want.npy", np.concatenate([w.ravel() for w in want]))
+    script = f"""
+import keras, numpy as np
+model = keras.saving.load_model({str(out)!r})
+got = np.concatenate([np.asarray(v).ravel() for v in model.weights] +
+                     [np.asarray(v).ravel() for v in model.optimizer.variables])
+assert np.array_equal(got, np.load({str(tmp_path / 'want.npy')!r})), "the state differs"
+print("loaded", type(model.optimizer).__name__, int(model.optimizer.iterations.numpy()))
+"""
+    loaded = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and "loaded AdamW 8" in loaded.stdout, loaded.stderr[-2000:]
+
+
+def test_export_names_what_is_missing(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tfdist.cli", "checkpoint", "export", str(tmp_path), "out.keras"],
+                          env=job_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"no committed checkpoint in {str(tmp_path)!r}" in done.stderr

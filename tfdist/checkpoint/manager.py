@@ -1,0 +1,352 @@
+"""``CheckpointManager``: every worker saves what it owns, in the background; a checkpoint restores on any count.
+
+Each worker writes one part: the whole variables it owns (a byte-balanced share of the weights and
+of the unsharded optimizer state, ``layout.owners``) and its replicas' shards of a sharded optimizer's
+slots. Nothing is gathered into one process. ``save`` copies those arrays to host memory and returns;
+a background thread writes the part and flushes it to disk, and the chief commits the checkpoint once
+every worker's part is written (``store``). A save that starts while the previous one still writes
+waits for it, so at most one copy is staged. ``restore`` reads the newest committed checkpoint into a
+model on any number of workers and replicas, sharded or not: each replica reads the elements of its
+shard from the saved shards that hold them.
+
+Under several workers the directory must be one every worker sees (a shared or network filesystem);
+the workers agree through the job's key-value store (``tfdist.kvstore``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import kvstore, process_group, watchdog
+from tfdist.checkpoint import layout, store
+from tfdist.errors import CheckpointError
+from tfdist.keras_fixes import sharded_state
+
+FORMAT = 1
+_ATTEMPT = "TFDIST_RESTART"
+_managers = [0]  # managers of this process that began saving: the n-th is one manager on every worker
+
+
+class CheckpointManager:
+    """Saves and restores a Keras model and its optimizer, one part per worker.
+
+    Args:
+        directory: where the checkpoints go (``step-N`` folders); shared by every worker.
+        max_to_keep: the committed checkpoints kept (older ones are removed after a commit); None keeps all.
+        async_save: True: ``save`` returns once the state is copied to host memory, and a background thread
+            writes it; False: ``save`` returns once the checkpoint is committed.
+
+    Raises:
+        ValueError: a URL ``directory``, or a ``max_to_keep`` that is not a positive int or None.
+    """
+
+    def __init__(self, directory: str, max_to_keep: int | None = 3, async_save: bool = True):
+        self.directory = store.check_directory(directory)
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool)
+                                        or max_to_keep < 1):
+            raise ValueError(f"max_to_keep must be a positive int or None (keep all); received "
+                             f"max_to_keep={max_to_keep!r}.")
+        self.max_to_keep, self.async_save = max_to_keep, bool(async_save)
+        self._token: str | None = None
+        self._saves = 0
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        kvstore.before_leaving(lambda seconds: self._join(seconds))  # a job that leaves together still commits
+
+    @property
+    def latest(self) -> str | None:
+        """The path of the newest committed checkpoint, or None."""
+        found = store.committed(self.directory)
+        return found[-1][1] if found else None
+
+    def save(self, model, metadata: dict[str, Any] | None = None) -> str:
+        """Saves ``model`` (weights and optimizer state) as ``step-<optimizer.iterations>``; every worker calls it.
+
+        Returns the path the checkpoint commits to. With ``async_save`` it is written in the background
+        (``wait`` waits for the commit); an error of that write is raised by the next ``save`` or ``wait``.
+        ``metadata`` (JSON) is kept in the manifest (``metadata()``).
+        """
+        self.wait()
+        strategy = model.distribute_strategy
+        rank, workers = process_group.worker_rank(strategy), process_group.num_workers(strategy)
+        token = self._agree_on_token(rank, workers)
+        self._saves += 1
+        entries = _entries(model)
+        step = _step(model)
+        arrays = _stage(entries, rank, workers)
+        manifest = {"format": FORMAT, "step": step, "workers": workers, "metadata": metadata or {},
+                    "variables": [entry.describe() for entry in entries], "model": _config(model)}
+        job = _SaveJob(self, token, self._saves, rank, workers, step, arrays, manifest)
+        if self.async_save:
+            self._writer = threading.Thread(target=job.run, name="tfdist-checkpoint-write")
+            self._writer.start()
+        else:
+            job.run()
+            self._raise_failure()
+        return os.path.join(self.directory, f"step-{step}")
+
+    def wait(self) -> None:
+        """Waits until the last save is committed (or failed); raises its error, if any."""
+        self._join(None)
+        self._raise_failure()
+
+    def restore(self, model) -> int | None:
+        """Restores the newest committed checkpoint into ``model`` on every worker; returns the optimizer's
+        ``iterations`` then (the saved step without an optimizer), or None when the directory holds none.
+
+        The model may run on another number of workers or replicas than the one that saved, with its optimizer
+        state sharded or not. Waits for this manager's own save first.
+
+        Raises:
+            CheckpointError: the checkpoint is not this model's (another number or shape of variables).
+        """
+        self.wait()
+        path = self.latest
+        if path is None:
+            return None
+        return restore_into(model, path)
+
+    def metadata(self, path: str | None = None) -> dict[str, Any]:
+        """The ``metadata`` saved with the checkpoint at ``path`` (default: the newest; {} without one)."""
+        path = path or self.latest
+        return store.read_manifest(path).get("metadata", {}) if path else {}
+
+    def _agree_on_token(self, rank: int, workers: int) -> str:
+        """This manager's name in partial directories, the same on every worker (the chief's random one)."""
+        if self._token is None:
+            _managers[0] += 1
+            key = f"tfdist/checkpoint/manager/{os.environ.get(_ATTEMPT, '0')}/{_managers[0]}"
+            token = uuid.uuid4().hex[:12]
+            if workers > 1:
+                if rank == 0:
+                    kvstore.put(key, token)
+                else:
+                    token = kvstore.wait_for(key, time.monotonic() + _timeout())
+                    if token is None:
+                        raise CheckpointError(f"CheckpointManager({self.directory!r}): worker 0 did not start this "
+                                              f"save within {_timeout():g} s; every worker must call save.")
+            if rank == 0:
+                store.claim(self.directory, token)
+            self._token = token
+        return self._token
+
+    def _join(self, seconds: float | None) -> None:
+        writer = self._writer
+        if writer is not None:
+            writer.join(seconds)
+            if not writer.is_alive():
+                self._writer = None
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
+class _SaveJob:
+    """One save's write and commit (in the background thread with ``async_save``)."""
+
+    def __init__(self, manager, token, save_id, rank, workers, step, arrays, manifest):
+        self.manager, self.token, self.save_id, self.rank, self.workers = manager, token, save_id, rank, workers
+        self.step, self.arrays, self.manifest = step, arrays, manifest
+        self.partial = store.partial_dir(manager.directory, token, save_id)
+        self.key = f"tfdist/checkpoint/{token}/{save_id}"
+
+    def run(self) -> None:
+        try:
+            store.write_part(self.partial, self.rank, self.arrays)
+            self.arrays = None  # the staged copy is freed as soon as it is on disk
+            if self.rank == 0:
+                self._commit()
+            else:
+                self._report_and_wait()
+        except BaseException as error:  # noqa: BLE001 - raised again by the next save or wait
+            if self.workers > 1:
+                kvstore.put(f"{self.key}/{self.rank}", f"failed: {type(error).__name__}: {error}")
+                if self.rank == 0:
+                    kvstore.put(f"{self.key}/committed", f"failed: {error}")
+            self.manager._failure = error if isinstance(error, CheckpointError) else CheckpointError(
+                f"Saving the checkpoint of step {self.step} into {self.manager.directory} failed on worker "
+                f"{self.rank}: {type(error).__name__}: {error}")
+
+    def _report_and_wait(self) -> None:
+        kvstore.put(f"{self.key}/{self.rank}", "written")
+        verdict = kvstore.wait_for(f"{self.key}/committed", time.monotonic() + _timeout())
+        if verdict is None or verdict.startswith("failed"):
+            raise CheckpointError(f"The checkpoint of step {self.step} was not committed: "
+                                  f"{verdict or f'worker 0 did not commit it within {_timeout():g} s'}.")
+
+    def _commit(self) -> None:
+        deadline = time.monotonic() + _timeout()
+        problems = []
+        for worker in range(1, self.workers):
+            said = kvstore.wait_for(f"{self.key}/{worker}", deadline)
+            if said != "written":
+                problems.append(f"worker {worker}: {said or f'wrote nothing within {_timeout():g} s'}")
+        if problems:
+            raise CheckpointError(f"The checkpoint of step {self.step} was not committed: " + "; ".join(problems))
+        missing = [w for w in range(self.workers) if not os.path.exists(store.part_path(self.partial, w))]
+        if missing:
+            raise CheckpointError(
+                f"Workers {missing} wrote their parts of step {self.step}, but worker 0 does not see them in "
+                f"{self.partial}: the checkpoint directory must be one filesystem every worker shares.")
+        holder = store.owner(self.manager.directory)
+        if holder != self.token:
+            raise CheckpointError(
+                f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or two "
+                "managers save into one directory. Give each its own directory.")
+        path = store.commit(self.partial, self.manager.directory, self.step, self.manifest)
+        if self.workers > 1:
+            kvstore.put(f"{self.key}/committed", path)
+        if self.manager.max_to_keep is not None:
+            store.keep_newest(self.manager.directory, self.manager.max_to_keep)
+        store.remove_partials(self.manager.directory, self.token, self.save_id)
+
+
+class _Entry:
+    """A variable of the checkpoint: ``model/i`` (``model.weights[i]``) or ``optimizer/j``."""
+
+    def __init__(self, key: str, variable):
+        self.key, self.variable = key, variable
+        self.sharded = sharded_state.is_shard_slot(variable)
+        self.shape = tuple(sharded_state.slot_shape(variable) if self.sharded else variable.shape)
+        self.dtype = np.dtype(variable.dtype if isinstance(variable.dtype, str) else variable.dtype.name)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.owner = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"key": self.key, "path": getattr(self.variable, "path", self.variable.name), "shape": list(self.shape),
+                "dtype": self.dtype.name, "sharded": self.sharded, "owner": None if self.sharded else self.owner}
+
+
+def _entries(model) -> list[_Entry]:
+    entries = [_Entry(f"model/{i}", v) for i, v in enumerate(model.weights)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        entries += [_Entry(f"optimizer/{j}", v) for j, v in enumerate(optimizer.variables)]
+    return entries
+
+
+def _stage(entries: list[_Entry], rank: int, workers: int) -> dict[str, np.ndarray]:
+    """Host copies of what this worker writes: the whole variables it owns, its replicas' shards."""
+    whole = [e for e in entries if not e.sharded]
+    for entry, owner in zip(whole, layout.owners([e.size * e.dtype.itemsize for e in whole], workers)):
+        entry.owner = owner
+    arrays = {}
+    for entry in entries:
+        if entry.sharded:
+            for replica, component in sharded_state.local_shards(entry.variable):
+                arrays[f"{entry.key}/{replica}"] = np.array(component.numpy(), copy=True)
+        elif entry.owner == rank:
+            arrays[entry.key] = np.array(entry.variable.numpy(), copy=True)
+    return arrays
+
+
+def _step(model) -> int:
+    optimizer = getattr(model, "optimizer", None)
+    return int(optimizer.iterations.numpy()) if optimizer is not None and optimizer.built else 0
+
+
+def _config(model) -> dict[str, Any] | None:
+    """The model's and its compile's configs (``tfdist checkpoint export`` rebuilds it), or None."""
+    try:
+        return {"model": model.to_json(), "compile": model.get_compile_config()}
+    except Exception:  # noqa: BLE001 - a subclassed model without get_config: export needs the model's code
+        return None
+
+
+def _timeout() -> float:
+    return watchdog.timeout_from_env() or watchdog.DEFAULT_HANG_TIMEOUT
+
+
+def restore_into(model, checkpoint: str) -> int:
+    """Reads the checkpoint at ``checkpoint`` into ``model`` (its optimizer built first if the checkpoint has one);
+    returns the optimizer's iterations (the saved step without one).
+
+    Raises:
+        CheckpointError: another number, shape or dtype of variables than the model's.
+    """
+    manifest = store.read_manifest(checkpoint)
+    saved = manifest["variables"]
+    optimizer = getattr(model, "optimizer", None)
+    if any(v["key"].startswith("optimizer/") for v in saved) and optimizer is not None and not optimizer.built:
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
+    entries = _entries(model)
+    if len(entries) != len(saved):
+        raise CheckpointError(
+            f"{checkpoint} holds {len(saved)} variables ({_count(saved, 'model/')} of the model, "
+            f"{_count(saved, 'optimizer/')} of its optimizer); this model has {len(entries)} "
+            f"({_count([e.describe() for e in entries], 'model/')} and "
+            f"{_count([e.describe() for e in entries], 'optimizer/')}): it was saved for another model or optimizer.")
+    reader = _Reader(checkpoint, manifest["workers"])
+    try:
+        for entry, record in zip(entries, saved):
+            if list(entry.shape) != record["shape"] or entry.dtype.name != record["dtype"]:
+                raise CheckpointError(
+                    f"{checkpoint}: {record['key']} ({record['path']}) was saved as {record['dtype']}"
+                    f"{tuple(record['shape'])}; this model's {entry.key} ({entry.describe()['path']}) is "
+                    f"{entry.dtype.name}{entry.shape}: it was saved for another model.")
+            if entry.sharded:
+                for replica, component in sharded_state.local_shards(entry.variable):
+                    component.assign(reader.shard(record, replica, sharded_state.slot_replicas(entry.variable)))
+            else:
+                entry.variable.assign(reader.whole(record))
+    finally:
+        reader.close()
+    return _step(model) if optimizer is not None and optimizer.built else int(manifest["step"])
+
+
+def _count(records, prefix: str) -> int:
+    return sum(r["key"].startswith(prefix) for r in records)
+
+
+class _Reader:
+    """Reads saved arrays from a checkpoint's parts (each part opened once, each array read when asked)."""
+
+    def __init__(self, checkpoint: str, workers: int):
+        self.files = [np.load(store.part_path(checkpoint, w)) for w in range(workers)]
+        self.where = {key: f for f in self.files for key in f.files}
+        self.saved_replicas: dict[str, int] = {}
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+    def _array(self, key: str) -> np.ndarray:
+        if key not in self.where:
+            raise CheckpointError(f"The checkpoint has no array {key!r}: a part is missing or damaged.")
+        return self.where[key][key]
+
+    def _replicas_of(self, key: str) -> int:
+        if key not in self.saved_replicas:
+            self.saved_replicas[key] = sum(1 for k in self.where if k.rsplit("/", 1)[0] == key)
+        return self.saved_replicas[key]
+
+    def whole(self, record) -> np.ndarray:
+        shape, key = tuple(record["shape"]), record["key"]
+        if not record["sharded"]:
+            return self._array(key).reshape(shape)
+        size = int(np.prod(shape, dtype=np.int64))
+        shards = [self._array(f"{key}/{r}") for r in range(self._replicas_of(key))]
+        return np.concatenate(shards)[:size].reshape(shape)
+
+    def shard(self, record, replica: int, replicas: int) -> np.ndarray:
+        """Elements of replica ``replica``'s shard (of ``replicas``), padded with zeros to the shard's size."""
+        size, key = int(np.prod(record["shape"], dtype=np.int64)), record["key"]
+        start, stop = layout.shard_range(replica, replicas, size)
+        if record["sharded"]:
+            saved = self._replicas_of(key)
+            parts = [self._array(f"{key}/{r}")[lo:hi] for r, lo, hi in layout.pieces(start, stop, saved, size)]
+        else:
+            parts = [self._array(key).reshape(-1)[start:stop]]
+        values = np.concatenate(parts) if parts else np.zeros(0, np.dtype(record["dtype"]))
+        return np.pad(values, (0, layout.shard_size(size, replicas) - values.size))
+

@@ -1,0 +1,143 @@
+"""A checkpoint directory on disk: each worker's part, the manifest, the commit, and retention.
+
+    DIRECTORY/
+      step-120/              a committed checkpoint (the chief renamed it into place last)
+        manifest.json        what each variable is and which part holds it
+        part-0.npz ...       one file per worker: the variables it owns, its replicas' shards
+      .partial-<id>/         a checkpoint being written (or one whose writer died): never read
+      .owner                 the manager that writes here now
+
+A part is written under a temporary name, flushed to disk (fsync) and renamed; the chief writes the
+manifest the same way once every part is there, then renames the partial directory to ``step-N``:
+that rename is the commit. A reader lists ``step-*`` directories with a manifest, so a crash at any
+moment leaves the previous checkpoint the latest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+OWNER = ".owner"
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def check_directory(directory: str) -> str:
+    """``directory`` made absolute; a ValueError for a URL (renames there are not atomic)."""
+    if "://" in str(directory):
+        raise ValueError(f"CheckpointManager writes to a local or mounted filesystem (it commits by renaming a "
+                         f"directory); received directory={directory!r}: mount it (e.g. gcsfuse) or use a local "
+                         "path.")
+    return os.path.abspath(str(directory))
+
+
+def partial_dir(directory: str, token: str, save_id: int) -> str:
+    return os.path.join(directory, f".partial-{token}-{save_id}")
+
+
+def part_path(checkpoint: str, worker: int) -> str:
+    return os.path.join(checkpoint, f"part-{worker}.npz")
+
+
+def write_part(checkpoint: str, worker: int, arrays: dict[str, np.ndarray]) -> None:
+    """Writes this worker's arrays, flushed to disk, as ``part-<worker>.npz`` (atomically)."""
+    os.makedirs(checkpoint, exist_ok=True)
+    path = part_path(checkpoint, worker)
+    temp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(temp, "wb") as file:
+            np.savez(file, **arrays)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temp)
+    _sync_directory(checkpoint)
+
+
+def commit(partial: str, directory: str, step: int, manifest: dict[str, Any]) -> str:
+    """Writes the manifest into ``partial`` and renames it to ``step-<step>`` (replacing an older one of that
+    step); returns the committed path."""
+    temp = os.path.join(partial, MANIFEST + ".tmp")
+    with open(temp, "w") as file:
+        json.dump(manifest, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temp, os.path.join(partial, MANIFEST))
+    _sync_directory(partial)
+    final = os.path.join(directory, f"step-{step}")
+    if os.path.exists(final):  # the same step saved again: the old one moves aside, then goes
+        aside = f"{partial}.replaced"
+        os.replace(final, aside)
+        os.replace(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(partial, final)
+    _sync_directory(directory)
+    return final
+
+
+def committed(directory: str) -> list[tuple[int, str]]:
+    """Every committed checkpoint under ``directory``: (step, path), oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _STEP.match(name)
+        path = os.path.join(directory, name)
+        if match and os.path.exists(os.path.join(path, MANIFEST)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def read_manifest(checkpoint: str) -> dict[str, Any]:
+    with open(os.path.join(checkpoint, MANIFEST)) as file:
+        return json.load(file)
+
+
+def keep_newest(directory: str, count: int) -> None:
+    """Removes committed checkpoints but the newest ``count``."""
+    for _, path in committed(directory)[:-count] if count > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_partials(directory: str, token: str, before: int) -> None:
+    """Removes this manager's partial directories of saves before ``before`` (saves that did not commit)."""
+    prefix = f".partial-{token}-"
+    for name in os.listdir(directory):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]) < before:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def claim(directory: str, token: str) -> None:
+    """Records ``token`` as the manager that writes ``directory`` now."""
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f"{OWNER}.tmp{os.getpid()}")
+    with open(temp, "w") as file:
+        file.write(token)
+    os.replace(temp, os.path.join(directory, OWNER))
+
+
+def owner(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, OWNER)) as file:
+            return file.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _sync_directory(path: str) -> None:
+    """Flushes a directory's entries (a rename, a new file) to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
