@@ -430,3 +430,31 @@ def uneven_loop(strategy) -> list:
     for xb, yb in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(5)):
         step(xb, yb)
     return [w.tolist() for w in model.get_weights()]
+
+
+CHECKPOINT_BATCH = 12  # splits evenly over 1, 2, 3 and 4 workers
+
+
+def checkpoint_model(strategy=None, sharded: bool = False):
+    """A seeded MLP under AdamW with weight decay and global clipping (tfdist.CheckpointManager's tests)."""
+    import contextlib
+
+    import keras
+
+    from tfdist import sharding
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext(), sharding.scoped(sharded):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(9, activation="tanh"), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.01, global_clipnorm=1.0), "mse")
+    return model
+
+
+def checkpoint_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(48, 5)).astype("float32"), rng.normal(size=(48, 3)).astype("float32")
+
+
+def checkpoint_state(model) -> list[list]:
+    """The weights, then the optimizer's variables, whole (a sharded slot is gathered: every worker calls it)."""
+    return [np.asarray(v).tolist() for v in model.weights] + [np.asarray(v).tolist() for v in model.optimizer.variables]

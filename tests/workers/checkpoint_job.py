@@ -1,0 +1,47 @@
+"""tfdist.CheckpointManager on real workers, with the optimizer state sharded.
+
+    checkpoint_job.py OUT DIR save EPOCHS [async|sync]   fit EPOCHS epochs, then save into DIR
+    checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
+    checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
+                                                         write held until the test kills the job (OUT/writing<rank>: its pid)
+
+Writes worker<rank>.json: the state after restoring (resume) and at the end (weights and whole optimizer state).
+"""
+
+import os
+import pathlib
+import sys
+import time
+
+import tfdist
+from tests.workers import common
+from tfdist.checkpoint import store
+
+out_dir, directory, mode, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+with tfdist.scope(shard_optimizer_state=True) as strategy:
+    pass
+model = common.checkpoint_model(strategy, sharded=True)
+x, y = common.checkpoint_data()
+manager = tfdist.CheckpointManager(directory, async_save=sys.argv[5:] != ["sync"])
+payload = {"workers": tfdist.num_workers()}
+if mode == "resume":
+    payload["restored_step"] = manager.restore(model)
+    payload["restored"] = common.checkpoint_state(model)
+model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
+if mode == "killed":
+    manager.save(model)
+    manager.wait()
+    model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=1, shuffle=False, verbose=0)
+    write_part = store.write_part
+
+    def held(checkpoint, worker, arrays):  # the worst moment: the job is killed while every part is written
+        pathlib.Path(out_dir, f"writing{worker}").write_text(str(os.getpid()))
+        time.sleep(600)
+        write_part(checkpoint, worker, arrays)
+
+    store.write_part = held
+if mode in ("save", "killed"):
+    manager.save(model)
+    manager.wait()
+payload["state"] = common.checkpoint_state(model)
+common.write_result(out_dir, payload)
