@@ -17,6 +17,7 @@ import contextlib
 import glob
 import os
 import shutil
+import socket
 import tempfile
 from typing import Callable, Iterator
 
@@ -29,22 +30,25 @@ def is_local(path: str) -> bool:
 def atomic_write(write: Callable[[str], None], path: str) -> None:
     """Calls ``write(temp_path)`` and moves the result to ``path`` in one step.
 
-    The temporary name keeps ``path``'s ending (Keras checks ``.keras``, ``.weights.h5``).
-    Leftovers of earlier interrupted writes to ``path`` are removed first (not those of a process of
-    this host that is still writing).
+    The temporary name keeps ``path``'s ending (Keras checks ``.keras``, ``.weights.h5``) and names this host and
+    process, so writers on several hosts of a shared filesystem never meet. Leftovers of earlier interrupted writes
+    to ``path`` by this host are removed first (not those of a process of this host that is still writing).
     """
     directory, name = os.path.split(os.path.abspath(path))
-    for stale in glob.glob(os.path.join(glob.escape(directory), f".tmp*-{glob.escape(name)}")):
-        if not _writer_alive(os.path.basename(stale)[len(".tmp"):-len(name) - 1]):
+    for stale in glob.glob(os.path.join(glob.escape(directory), f".tmp{glob.escape(_HOST)}~*-{glob.escape(name)}")):
+        if not _writer_alive(os.path.basename(stale)[len(f".tmp{_HOST}~"):-len(name) - 1]):
             with contextlib.suppress(FileNotFoundError):  # another writer removed it first
                 os.remove(stale)
-    temp = os.path.join(directory, f".tmp{os.getpid()}-{name}")
+    temp = os.path.join(directory, f".tmp{_HOST}~{os.getpid()}-{name}")
     try:
         write(temp)
         os.replace(temp, path)
     finally:
         if os.path.exists(temp):
             os.remove(temp)
+
+
+_HOST = socket.gethostname().replace("/", "_").replace("~", "_")
 
 
 def _writer_alive(pid: str) -> bool:

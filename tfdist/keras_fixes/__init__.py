@@ -46,6 +46,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``batch_shares``: in ``fit`` and ``evaluate`` every loss term weighs by its share of the global
   batch (its divisor: examples, sample weights, unmasked values; 1 for a sum), so a batch that does
   not split evenly trains and logs as on one device (Keras weighs each mean by 1 / replicas).
+* ``model_files``: ``model.save`` and ``save_weights`` on every worker write whole files (every
+  worker wrote one path at once: a corrupt zip).
 * ``async_checkpoint``: TensorFlow's ``CheckpointOptions(enable_async=True)`` saves a Keras model
   more than once (Keras' variables made a new host copy on every save).
 * ``preemption``: each ``fit`` is a session of the agreed stop: a stop signal or a callback's
@@ -64,7 +66,7 @@ def patches() -> tuple[Patch, ...]:
     """Every patch, in the order applied. Imports the fix modules (and so Keras) on first call,
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
     from tfdist.keras_fixes import (accumulation, async_checkpoint, autotune_fit, batch_shares, callbacks, distribution, distribution_cluster,
-                                    gradient_buckets, loss_scale, multi_worker, precision_check, preemption,
+                                    gradient_buckets, loss_scale, model_files, multi_worker, precision_check, preemption,
                                     py_dataset_build, quiet, replica_state, scaled_loss, sharded_state, sparse_rows,
                                     step_report,
                                     steps_per_execution, sync_batch_norm, uneven, xla)
@@ -73,7 +75,8 @@ def patches() -> tuple[Patch, ...]:
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
             distribution_cluster.patch, distribution.patch, quiet.patch, step_report.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,
-            scaled_loss.patch, py_dataset_build.patch, batch_shares.patch, async_checkpoint.patch)
+            scaled_loss.patch, py_dataset_build.patch, batch_shares.patch, async_checkpoint.patch,
+            model_files.patch)
 
 
 def apply_all() -> None:
