@@ -32,6 +32,49 @@ def test_the_tour_trains_on_two_workers_and_only_the_chief_saves(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1.keras", "ckpt-2.keras"]  # backup deleted at the end
 
 
+FIRST_SCREEN = 64  # lines: "about 60", a tall terminal's worth
+
+
+def paragraphs(text: str) -> list[list[str]]:
+    """The blocks of a Markdown page a reader meets as one: runs of non-blank lines outside code blocks (a list or a
+    table counts whole)."""
+    found, current, in_code = [], [], False
+    for line in text.splitlines() + [""]:
+        fence = line.startswith("```")
+        in_code ^= fence
+        if fence or in_code or not line.strip():
+            if current:
+                found.append(current)
+            current = []
+        else:
+            current.append(line)
+    return found
+
+
+def test_the_readme_first_screen_says_what_tfdist_is_how_to_install_it_the_main_command_and_what_it_does():
+    lines = (REPO / "README.md").read_text().splitlines()
+    screen = "\n".join(lines[:FIRST_SCREEN])
+    assert lines[0] == "# tfdist" and not lines[1] and lines[2].startswith("Distributed training for Keras 3")
+    for section in ("## Install", "## The main command", "## What it does"):
+        assert f"\n{section}\n" in screen, f"{section} is not on the README's first screen"
+    assert re.search(r"```bash\npython3 -m venv .*pip install \.\n```", screen)
+    assert re.search(r"```bash\ntfdist run -n 2 -- python examples/multi_worker_fit.py\n```\n\n```text\n", screen)
+    table = screen.split("## What it does", 1)[1].split("\n\n")[1].splitlines()
+    assert table[:2] == ["| Capability | Read more |", "|---|---|"] and len(table) > 8
+    assert all(re.search(r"\]\(docs/[\w-]+\.md", row) for row in table[2:]), "every capability links to its doc"
+    assert len(lines) > FIRST_SCREEN and not lines[FIRST_SCREEN - 1].startswith("|"), "the table ends on the screen"
+
+
+def test_no_readme_paragraph_is_longer_than_12_lines():
+    long = [block[0] for block in paragraphs((REPO / "README.md").read_text()) if len(block) > 12]
+    assert long == [], f"paragraphs of over 12 lines start with: {long}"
+
+
+def test_the_paragraph_counter_counts_prose_lists_and_tables_not_code():
+    page = "a\nb\n\n```\nx\ny\n```\n- one\n  more\n- two\n\n| t |\n|---|\n"
+    assert paragraphs(page) == [["a", "b"], ["- one", "  more", "- two"], ["| t |", "|---|"]]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_python_blocks_parse_and_links_resolve(page):
     for code in blocks(page, "python"):

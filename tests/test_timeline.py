@@ -89,7 +89,7 @@ def test_the_verdict_names_workers_past_15_percent_and_why():
     assert named.rank == 1 and why.startswith("83% slower than the fastest worker (own work 18.7 ms a step against 10.2)") and why.endswith(
         "94% of it waiting for its input")
     lines = stragglers.report([summary(0, 0.2, 10), summary(1, 0.2, 20)], 3, "fit")
-    assert lines[0].startswith("tfdist: fit: 2 workers, 30.0 ms a step (medians of the last 20 steps); no steps from "
+    assert lines[0].startswith("tfdist: fit: 2 workers, 30.0 ms a step (median of 20 steps); no steps from "
                                "worker(s) [2]; straggler: worker 1 on host host1: 98% slower")
     assert lines[0].endswith("100% of it computing") and len(lines) == 3
 

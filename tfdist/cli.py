@@ -1,11 +1,13 @@
 """The ``tfdist`` command: ``tfdist run|bench|convert|doctor|checkpoint ...``.
 
 Each subcommand's module is imported only when it is used, so ``tfdist run``
-starts without importing TensorFlow.
+starts without importing TensorFlow. Each has a ``build_parser()``; docs/cli.md is
+made from them (``parser``).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from typing import Sequence
@@ -19,6 +21,13 @@ _SUBCOMMANDS = {
     "convert": ("tfdist.data.convert", "write a tensorflow-datasets split into TFRecord shards"),
     "checkpoint": ("tfdist.checkpoint.cli", "export a CheckpointManager checkpoint as one .keras file"),
 }
+
+COMMANDS = tuple(_SUBCOMMANDS)
+
+
+def parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of ``tfdist NAME`` (one of ``COMMANDS``)."""
+    return importlib.import_module(_SUBCOMMANDS[name][0]).build_parser()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

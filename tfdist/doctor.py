@@ -228,11 +228,17 @@ def diagnose(env: Mapping[str, str], port_timeout: float = 2.0, with_tensorflow:
     return report
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tfdist doctor`` argument parser."""
+    parser = argparse.ArgumentParser(prog="tfdist doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port-timeout", type=float, default=2.0, metavar="S",
+                        help="seconds to wait for each peer's port (default: %(default)g)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tfdist doctor``; returns 1 when a problem was found."""
-    parser = argparse.ArgumentParser(prog="tfdist doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port-timeout", type=float, default=2.0, help="seconds to wait for each peer's port")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     report = diagnose(os.environ, args.port_timeout)
     print("\n".join(report.lines))
     if report.problems:

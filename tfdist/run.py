@@ -19,71 +19,124 @@ import os
 import resource
 import shutil
 import sys
+import textwrap
 from typing import Sequence
 
 from tfdist import cluster
 from tfdist.errors import LaunchError
-from tfdist.launch import hostlist, kubernetes, local, nodes, output, ssh, supervisor
+from tfdist.launch import hostlist, kubernetes, local, nodes, output, policy, ssh, supervisor
 
 _MAX_SECONDS = 1e8  # about three years: beyond it, timers overflow
 _MAX_GRACE_SECONDS = 3600.0
 _FILES_PER_WORKER = 3  # its output pipe and a port probed for it, with room to spare
 
 
+# What ``tfdist run``'s exit code means: (code, meaning), shown by --help and docs/cli.md.
+EXIT_CODES = (
+    ("0", "every worker finished"),
+    ("N", "the code of the worker that failed (128+S if signal S killed it), once --max-restarts are used"),
+    ("2", "bad arguments, a missing extra, or nodes that cannot form one job"),
+    (str(cluster.EXIT_PREEMPTED), "preempted: every worker saved at one agreed step; the same command resumes there"),
+    (str(cluster.EXIT_HANG), "the hang watchdog stopped the job (--hang-timeout)"),
+    (str(policy.EXIT_TIMEOUT), "the job ran past --timeout, or did not start within --start-timeout"),
+    ("128+S", "signal S to this launcher stopped the job before the workers saved: 130 Ctrl-C, 143 SIGTERM, "
+              "129 SIGHUP, 138 SIGUSR1"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tfdist run`` argument parser."""
+    """The ``tfdist run`` argument parser: its groups, every flag's help ending with its default."""
     parser = argparse.ArgumentParser(
-        prog="tfdist run",
-        description="Start N workers of a multi-worker job on this machine (or on each of several nodes, or on Ray).",
-        epilog="Example: tfdist run -n 2 -- python train.py --epochs 3   "
-               "(several machines: tfdist run --nnodes 2 --node-rank K --master HOST:PORT -n 2 -- ...)",
-    )
-    parser.add_argument("-n", "--num-workers", type=int, default=None,
-                        help="worker processes to start (with -H/--hostfile: default, every slot)")
-    parser.add_argument("--cpu-devices", type=int, default=None, help="split each worker's CPU into K logical devices")
-    parser.add_argument("--port", type=int, default=None, help="first port (workers use PORT..PORT+N-1); default: free ports")
-    parser.add_argument("--timeout", type=float, default=None, help="stop the whole job after this many seconds")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="restart all workers up to R times when one fails, or when a signal to one of them "
-                             f"preempted the job (exit code {cluster.EXIT_PREEMPTED}: resumed from its backup)")
-    parser.add_argument("--grace-period", type=float, default=cluster.DEFAULT_GRACE_SECONDS,
-                        help="seconds the workers get to stop after a signal (SIGTERM, SIGUSR1, SIGINT) to this "
-                             "launcher: each stops at a step they all agree on, saves through the script's "
-                             f"BackupAndRestore and exits {cluster.EXIT_PREEMPTED}, as this launcher then does; "
-                             "SIGKILL after it (default: %(default)s; after a worker failed, at most "
-                             f"{supervisor.FAILURE_GRACE_SECONDS:g})")
-    parser.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT,
-                        help="stop the job when its workers have not all joined the tfdist cluster this many "
-                             "seconds after the first tried (default: %(default)s)")
-    parser.add_argument("--hang-timeout", type=float, default=None, metavar="S",
-                        help=f"stop the job (exit code {cluster.EXIT_HANG}) when a worker waits in a collective more "
-                             f"than S seconds, naming it; 0: never (default: ${cluster.ENV_HANG_TIMEOUT}, else 600)")
-    parser.add_argument("--timeline", default=None, metavar="FILE",
-                        help=f"worker 0 writes a Chrome-trace timeline of every worker's steps, input, compute and "
-                             f"gradient all-reduces to FILE (on worker 0's host), at every fit's end and every "
-                             f"half minute (sets ${cluster.ENV_TIMELINE}; docs/timeline.md)")
-    parser.add_argument("--no-fixes", action="store_true",
-                        help="run the command as it is: no tfdist start-up hook in the workers (no Keras fixes "
-                             "for scripts that do not import tfdist, no early multi-worker strategy)")
-    parser.add_argument("--horovod", action="store_true",
-                        help="run an unchanged Horovod script: 'import horovod.tensorflow.keras as hvd' (or "
-                             "horovod.tensorflow, horovod) gives tfdist.horovod inside the workers")
-    parser.add_argument("--tf-logs", action="store_true",
-                        help="show TensorFlow's C++ start-up logs (hidden unless TF_CPP_MIN_LOG_LEVEL is set)")
+        prog="tfdist run", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrapped("Start N workers of a multi-worker job on this machine (or on each of several nodes, "
+                             "on several hosts over ssh, or on Ray), prefix their output with the worker index, "
+                             "and stop all of them when one fails."),
+        epilog=_epilog())
+    _add_workers(parser)
+    _add_stops(parser)
+    _add_inside(parser)
     _add_several_machines(parser)
     _add_hosts(parser)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    parser.add_argument("--join-only", action="store_true", help=argparse.SUPPRESS)  # a host's launcher under -H
     return parser
+
+
+def _wrapped(text: str) -> str:
+    """``text`` in lines that fit an 80-column terminal (the parser keeps its line breaks)."""
+    return textwrap.fill(text, 76)
+
+
+def _epilog() -> str:
+    width = max(len(code) for code, _ in EXIT_CODES)
+    lines = ["exit codes:"]
+    for code, meaning in EXIT_CODES:
+        lines += textwrap.wrap(meaning, 76, initial_indent=f"  {code:<{width}}  ", subsequent_indent=" " * (width + 4))
+    return "\n".join(lines + ["", "example: tfdist run -n 2 -- python train.py --epochs 3"])
+
+
+def _add_workers(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the workers")
+    group.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...",
+                       help="the command every worker runs; a script.py alone runs with this Python")
+    group.add_argument("-n", "--num-workers", type=int, default=None, metavar="N",
+                       help="worker processes to start (default: every slot of -H/--hostfile; otherwise required)")
+    group.add_argument("--cpu-devices", type=int, default=None, metavar="K",
+                       help="split each worker's CPU into K logical devices (default: one CPU device)")
+    group.add_argument("--port", type=int, default=None, metavar="P",
+                       help="first port: the workers use P..P+N-1; a port taken ends the job, naming it "
+                            "(default: free ports, picked again when one is taken at start-up)")
+
+
+def _add_stops(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("failures, signals and time limits")
+    group.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                       help="restart all workers up to R times when one fails, or when a signal to one of them "
+                            f"preempted the job (exit code {cluster.EXIT_PREEMPTED}), resuming from its backup "
+                            "(default: %(default)s)")
+    group.add_argument("--timeout", type=float, default=None, metavar="S",
+                       help=f"stop the whole job after S seconds, exit code {policy.EXIT_TIMEOUT} (default: no limit)")
+    group.add_argument("--start-timeout", type=float, default=supervisor.DEFAULT_START_TIMEOUT, metavar="S",
+                       help="stop the job when its workers have not all joined the tfdist cluster S seconds "
+                            "after the first tried (default: %(default)g)")
+    group.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                       help=f"stop the job (exit code {cluster.EXIT_HANG}) when a worker spends more than S seconds "
+                            "in one call or goes silent, naming the call and the workers; 0: never "
+                            f"(default: ${cluster.ENV_HANG_TIMEOUT}, else 600)")
+    group.add_argument("--grace-period", type=float, default=cluster.DEFAULT_GRACE_SECONDS, metavar="S",
+                       help="seconds the workers get to stop after a signal (SIGINT, SIGTERM, SIGHUP, SIGUSR1) to "
+                            "this launcher: each stops at a step they all agree on, saves through the script's "
+                            f"BackupAndRestore and exits {cluster.EXIT_PREEMPTED}, as this launcher then does; "
+                            f"SIGKILL after it; told to every worker as ${cluster.ENV_GRACE_PERIOD} (default: "
+                            f"%(default)g; after a worker failed, at most {supervisor.FAILURE_GRACE_SECONDS:g})")
+
+
+def _add_inside(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("inside the workers")
+    group.add_argument("--no-fixes", action="store_true",
+                       help="run the command as it is: no tfdist start-up hook in the workers (no Keras fixes "
+                            "for scripts that do not import tfdist, no early multi-worker strategy) "
+                            "(default: off)")
+    group.add_argument("--horovod", action="store_true",
+                       help="run an unchanged Horovod script: 'import horovod.tensorflow.keras as hvd' (or "
+                            "horovod.tensorflow, horovod) gives tfdist.horovod inside the workers (default: off)")
+    group.add_argument("--tf-logs", action="store_true",
+                       help="show TensorFlow's C++ start-up logs, which are hidden unless TF_CPP_MIN_LOG_LEVEL "
+                            "is set (default: off)")
+    group.add_argument("--timeline", default=None, metavar="FILE",
+                       help=f"worker 0 writes a Chrome-trace timeline of every worker's steps, input, compute and "
+                            f"gradient all-reduces to FILE (on worker 0's host), at every fit's end and every "
+                            f"half minute; sets ${cluster.ENV_TIMELINE}; docs/timeline.md (default: none)")
 
 
 def _add_several_machines(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "several machines", "Run the same command on every node (-n workers each), or let Ray place the workers.")
+        "several machines",
+        _wrapped("Run the same command on every node (-n workers each), or let Ray place the workers."))
     group.add_argument("--nnodes", default=None, metavar="N|MIN:MAX",
                        help="nodes in the job: N, or MIN:MAX for an elastic job that starts with MIN..MAX nodes, "
                             "takes in nodes that join later and goes on without nodes that die while MIN are left "
                             f"(default: ${kubernetes.ENV_NNODES}, else 1)")
-    group.add_argument("--node-rank", type=int, default=None,
+    group.add_argument("--node-rank", type=int, default=None, metavar="K",
                        help="this node's rank, 0..N-1; node 0 is the master (default: a Kubernetes pod's "
                             f"${kubernetes.ENV_INDEX}, else the node that can listen on --master serves it as node 0 "
                             "and the master numbers the others as they arrive)")
@@ -96,33 +149,38 @@ def _add_several_machines(parser: argparse.ArgumentParser) -> None:
                             f"behind the headless Service, port ${kubernetes.ENV_MASTER_PORT} or "
                             f"{kubernetes.DEFAULT_MASTER_PORT})")
     group.add_argument("--token", default=None,
-                       help=f"a secret every node shares, so no one else can join (default: ${nodes.ENV_TOKEN}; "
-                            "prefer the variable: a --token shows in ps)")
+                       help="a secret every node shares, so no one else can join; prefer the variable: a --token "
+                            f"shows in ps (default: ${nodes.ENV_TOKEN})")
     group.add_argument("--host-address", default=None, metavar="ADDR",
                        help="the address of this node the others reach its workers at (default: the one it "
                             "reaches the master from)")
     group.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help="place the workers with Ray: on the cluster at ADDRESS, else Ray's default (RAY_ADDRESS, "
-                            "a cluster started on this machine, or a new local one)")
-    group.add_argument("--cpus-per-worker", type=float, default=None, help="with --ray: CPUs Ray reserves per worker (1)")
-    group.add_argument("--gpus-per-worker", type=float, default=None, help="with --ray: GPUs Ray reserves per worker (0)")
+                            "a cluster started on this machine, or a new local one) (default: off)")
+    group.add_argument("--cpus-per-worker", type=float, default=None, metavar="C",
+                       help="with --ray: CPUs Ray reserves per worker (default: 1)")
+    group.add_argument("--gpus-per-worker", type=float, default=None, metavar="G",
+                       help="with --ray: GPUs Ray reserves per worker (default: 0)")
 
 
 def _add_hosts(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "several hosts from one command", "Start every host's workers from this machine, over ssh (as horovodrun "
-        "does); hosts that are this machine run without ssh. Hosts are filled in order up to their slots.")
-    group.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...", help="hosts and their slots, e.g. a:2,b:2")
+        "several hosts from one command",
+        _wrapped("Start every host's workers from this machine, over ssh (as horovodrun does); hosts that are this "
+                 "machine run without ssh. Hosts are filled in order up to their slots."))
+    group.add_argument("-H", "--hosts", default=None, metavar="HOST:N,...",
+                       help="hosts and their slots, e.g. a:2,b:2 (default: none, this machine only)")
     group.add_argument("--hostfile", default=None, metavar="FILE",
-                       help="an mpirun/Horovod hostfile: one 'HOST slots=N' (or 'HOST:N') per line")
-    group.add_argument("--ssh-port", type=int, default=None, help="ssh port of every host (default: ssh's own)")
-    group.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="private key ssh logs in with")
+                       help="an mpirun/Horovod hostfile: one 'HOST slots=N' (or 'HOST:N') per line (default: none)")
+    group.add_argument("--ssh-port", type=int, default=None, metavar="PORT",
+                       help="ssh port of every host (default: ssh's own)")
+    group.add_argument("--ssh-identity-file", default=None, metavar="FILE",
+                       help="private key ssh logs in with (default: ssh's own)")
     group.add_argument("--ssh-config-file", default=None, metavar="FILE",
-                       help="an ssh config file to use instead of ~/.ssh/config (ssh -F)")
+                       help="an ssh config file to use instead of ~/.ssh/config, as ssh -F (default: ~/.ssh/config)")
     group.add_argument("-x", "--env", action="append", default=[], metavar="NAME[=VALUE]",
-                       help="also give this variable to every host's workers (as mpirun -x; PYTHONPATH and "
-                            "TF_CPP_MIN_LOG_LEVEL go by default)")
-    parser.add_argument("--join-only", action="store_true", help=argparse.SUPPRESS)  # a host's launcher under -H
+                       help="also give this variable to every host's workers, as mpirun -x; repeatable (default: none; "
+                            f"these go when set: {', '.join(ssh.FORWARDED)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

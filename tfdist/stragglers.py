@@ -111,11 +111,11 @@ def report(summaries: list[Summary], size: int, what: str) -> list[str]:
     if len(summaries) < 2:
         return [f"tfdist: {what}: no straggler report: fewer than {MIN_STEPS} timed steps from worker(s) {missing}"]
     step = np.median([s.step_ms for s in summaries])
-    head = (f"tfdist: {what}: {len(summaries)} workers, {step:.1f} ms a step (medians of the last "
+    head = (f"tfdist: {what}: {len(summaries)} workers, {step:.1f} ms a step (median of "
             f"{min(s.steps for s in summaries)} steps)" + (f"; no steps from worker(s) {missing}" if missing else ""))
     named = verdict(summaries)
     if not named:
-        return [f"{head}; no straggler (every worker's own work within {SLOWER:.0%} of the fastest)"]
+        return [f"{head}; no straggler"]  # short: it ends most fits, on terminals of 80 columns
     lines = [f"{head}; straggler: " + "; ".join(f"worker {s.rank} on host {s.host}: {why}" for s, why in named)]
     lines += [f"  worker {s.rank} ({s.host}): input {s.input_ms:.1f} ms, compute {s.compute_ms:.1f} ms, waiting for "
               f"the others {s.wait_ms:.1f} ms" for s in summaries]

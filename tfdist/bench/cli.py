@@ -14,8 +14,10 @@ from typing import Sequence
 from tfdist import cluster, extras
 from tfdist.launch import local as launcher
 from tfdist.launch import supervisor
-from tfdist.bench.config import BenchConfig, BenchError, parse_config
-from tfdist.data.records import DataError
+from tfdist.bench.config import BenchConfig, BenchError, build_parser, parse_config
+from tfdist.errors import DataError
+
+__all__ = ["build_parser", "main"]  # the parser tfdist.cli finds here, and the command
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,8 @@ SOURCES = ("mock", "tfds", "synthetic", "tfrecord")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16", "auto")
 STRATEGIES = ("auto", "mirrored", "multi_worker")
 MODES = ("train", "input", "profile")
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tfdist", "bench")
+_CACHE_SHOWN = os.path.join("~", ".cache", "tfdist", "bench")
+DEFAULT_CACHE = os.path.expanduser(_CACHE_SHOWN)
 
 
 class JsonRecord:
@@ -56,35 +57,55 @@ class BenchConfig(JsonRecord):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``tfdist bench`` argument parser."""
+    """The ``tfdist bench`` argument parser; every flag's help ends with its default."""
     parser = argparse.ArgumentParser(
         prog="tfdist bench",
         description="Time training on 1 vs N replicas (s/epoch, images/s, speedup, scaling efficiency).",
         epilog="With no arguments: tf_flowers shapes from mock data, MobileNetV2 at 64x64, 1 vs 2 replicas.")
-    defaults = BenchConfig()
-    parser.add_argument("--dataset", default=defaults.dataset, help="a tensorflow-datasets image dataset")
-    parser.add_argument("--model", default=defaults.model, help=f"one of {', '.join(MODELS)}")
-    parser.add_argument("--source", default=defaults.source, help=f"one of {', '.join(SOURCES)}")
-    parser.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory (--source tfds)")
-    parser.add_argument("--tfrecords", default=None, help="shard pattern (--source tfrecord)")
-    parser.add_argument("--replicas", type=_int_list, default=defaults.replicas, help="e.g. 1,2")
-    parser.add_argument("--batch-size", dest="batch_sizes", type=_int_list, default=defaults.batch_sizes,
-                        help="global batch(es), e.g. 64,256")
-    parser.add_argument("--epochs", type=int, default=defaults.epochs, help="the first is warm-up, timed apart")
-    parser.add_argument("--steps-per-epoch", type=int, default=defaults.steps_per_epoch)
-    parser.add_argument("--image-size", type=int, default=defaults.image_size)
-    parser.add_argument("--precision", default=defaults.precision, help=f"one of {', '.join(PRECISIONS)}")
-    parser.add_argument("--strategy", default=defaults.strategy, help=f"one of {', '.join(STRATEGIES)}")
-    parser.add_argument("--mode", default=defaults.mode,
+    d = BenchConfig()
+    parser.add_argument("--dataset", default=d.dataset, metavar="NAME",
+                        help="a tensorflow-datasets image dataset (default: %(default)s)")
+    parser.add_argument("--model", default=d.model, metavar="NAME",
+                        help=f"one of {', '.join(MODELS)} (default: %(default)s)")
+    parser.add_argument("--source", default=d.source, metavar="NAME",
+                        help=f"one of {', '.join(SOURCES)} (default: %(default)s)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="tensorflow-datasets data directory, for --source tfds (default: tfds' own)")
+    parser.add_argument("--tfrecords", default=None, metavar="PATTERN",
+                        help="shard pattern, for --source tfrecord (default: none)")
+    parser.add_argument("--replicas", type=_int_list, default=d.replicas, metavar="LIST",
+                        help=f"replica counts to time, e.g. 1,2,4 (default: {_listed(d.replicas)})")
+    parser.add_argument("--batch-size", dest="batch_sizes", type=_int_list, default=d.batch_sizes, metavar="LIST",
+                        help=f"global batch(es), e.g. 64,256 (default: {_listed(d.batch_sizes)})")
+    parser.add_argument("--epochs", type=int, default=d.epochs, metavar="N",
+                        help="epochs; the first is warm-up, timed apart (default: %(default)s)")
+    parser.add_argument("--steps-per-epoch", type=int, default=d.steps_per_epoch, metavar="N",
+                        help="steps of each epoch (default: %(default)s)")
+    parser.add_argument("--image-size", type=int, default=d.image_size, metavar="SIZE",
+                        help="images are resized to SIZE x SIZE (default: %(default)s)")
+    parser.add_argument("--precision", default=d.precision, metavar="NAME",
+                        help=f"one of {', '.join(PRECISIONS)} (default: %(default)s)")
+    parser.add_argument("--strategy", default=d.strategy, metavar="NAME",
+                        help=f"one of {', '.join(STRATEGIES)} (default: %(default)s)")
+    parser.add_argument("--mode", default=d.mode, metavar="MODE",
                         help="train; input (is the job input-bound?); or profile (per-step time: compute, "
-                             "all-reduce, input, other)")
-    parser.add_argument("--mock-examples", type=int, default=defaults.mock_examples)
-    parser.add_argument("--shards", type=int, default=defaults.shards, help="TFRecord shards to write")
-    parser.add_argument("--cache-dir", default=defaults.cache_dir, help="where converted shards are kept")
-    parser.add_argument("--json", default=None, help="write versions, devices, config and epoch times")
-    parser.add_argument("--csv", default=None, help="write the table")
-    parser.add_argument("--plot", default=None, help="write a PNG of images/s against replicas")
+                             "all-reduce, input, other) (default: %(default)s)")
+    parser.add_argument("--mock-examples", type=int, default=d.mock_examples, metavar="N",
+                        help="examples --source mock makes (default: %(default)s)")
+    parser.add_argument("--shards", type=int, default=d.shards, metavar="N",
+                        help="TFRecord shards to write (default: %(default)s)")
+    parser.add_argument("--cache-dir", default=d.cache_dir, metavar="DIR",
+                        help=f"where converted shards are kept (default: {_CACHE_SHOWN})")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write versions, devices, config and epoch times (default: none)")
+    parser.add_argument("--csv", default=None, metavar="FILE", help="write the table (default: none)")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="write a PNG of images/s against replicas; needs tfdist[bench] (default: none)")
     return parser
+
+
+def _listed(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
 
 
 def parse_config(argv: Sequence[str]) -> BenchConfig:

@@ -90,21 +90,30 @@ def _load(tfds, dataset: str, split: str, data_dir: str | None):
                            f"{sorted(builder.info.splits)}.") from None
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tfdist convert`` argument parser."""
+    parser = argparse.ArgumentParser(prog="tfdist convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", required=True, help="tfds dataset name, e.g. tf_flowers (required)")
+    parser.add_argument("--split", default="train", help="tfds split (default: %(default)s)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory for the shards (required)")
+    parser.add_argument("--shards", type=int, default=16, help="number of shards (default: %(default)s)")
+    parser.add_argument("--source", choices=SOURCES, default="tfds",
+                        help="tfds: download or read prepared data; mock: random examples, no network "
+                             "(default: %(default)s)")
+    parser.add_argument("--data-dir", default=None, help="tfds data directory (default: tfds' own)")
+    parser.add_argument("--num-examples", type=int, default=64,
+                        help="examples --source mock makes (default: %(default)s)")
+    parser.add_argument("--prefix", default=None, help="shard name prefix (default: the split)")
+    parser.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg",
+                        help="how images are stored (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing shards with this prefix (default: off)")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``tfdist convert`` command; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="tfdist convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", required=True, help="tfds dataset name, e.g. tf_flowers")
-    parser.add_argument("--split", default="train", help="tfds split (default: train)")
-    parser.add_argument("--out", required=True, help="directory for the shards")
-    parser.add_argument("--shards", type=int, default=16, help="number of shards (default: 16)")
-    parser.add_argument("--source", choices=SOURCES, default="tfds",
-                        help="tfds: download or read prepared data; mock: random examples, no network")
-    parser.add_argument("--data-dir", default=None, help="tfds data directory")
-    parser.add_argument("--num-examples", type=int, default=64, help="examples --source mock makes (default: 64)")
-    parser.add_argument("--prefix", default=None, help="shard name prefix (default: the split)")
-    parser.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing shards with this prefix")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         result = convert(args.dataset, args.split, args.out, num_shards=args.shards, source=args.source,
                          data_dir=args.data_dir, num_examples=args.num_examples, prefix=args.prefix,

@@ -32,8 +32,8 @@ from tfdist import cluster
 from tfdist.launch import hostlist, lifeline, local, master as master_lib, nodes, output, supervisor
 
 # Variables a remote host's launcher gets from this one (besides the token, sent on stdin).
-_FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES,
-              cluster.ENV_AUTOTUNE, cluster.ENV_AUTOTUNE_FILE, cluster.ENV_HANG_TIMEOUT)
+FORWARDED = ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL", cluster.ENV_SLURM_PORT, cluster.ENV_BUCKET_BYTES,
+             cluster.ENV_AUTOTUNE, cluster.ENV_AUTOTUNE_FILE, cluster.ENV_HANG_TIMEOUT)
 _EXIT_SSH = 255
 
 
@@ -170,7 +170,7 @@ def _start(host: _Host, argv: list[str], token: str, ssh: SshOptions, exported: 
         process = subprocess.Popen(argv, env={**os.environ, **exported, nodes.ENV_TOKEN: token}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, **lifeline.spawn_options())
     else:
-        forwarded = {name: os.environ[name] for name in _FORWARDED if name in os.environ} | exported
+        forwarded = {name: os.environ[name] for name in FORWARDED if name in os.environ} | exported
         forwarded = " ".join(f"{name}={shlex.quote(value)}" for name, value in forwarded.items())
         remote = (f"cd {shlex.quote(os.getcwd())} && IFS= read -r {nodes.ENV_TOKEN} && export {nodes.ENV_TOKEN} && "
                   f"exec env {forwarded} {shlex.join(argv)}")
