@@ -14,13 +14,20 @@ import sys
 from typing import Sequence
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tfdist checkpoint`` argument parser."""
     parser = argparse.ArgumentParser(prog="tfdist checkpoint", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     help="export: write a checkpoint as one .keras file plain Keras loads")
     export = commands.add_parser("export", help="write a checkpoint as one .keras file plain Keras loads")
     export.add_argument("directory", help="the CheckpointManager's directory, or one step-N checkpoint in it")
     export.add_argument("out", help="the .keras file to write")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tfdist checkpoint``."""
+    args = build_parser().parse_args(argv)
     try:
         path = export_keras(args.directory, args.out)
     except (ValueError, FileNotFoundError) as error:

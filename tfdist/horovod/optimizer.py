@@ -249,8 +249,10 @@ class GradientReduction:
         if optimizer is None or (optimizer.gradient_accumulation_steps or 1) > 1:
             return False
         variables = list(getattr(optimizer, "_trainable_variables", None) or [])
-        return [(tuple(v.shape), tf.as_dtype(v.dtype)) for v in variables] == [
-            (tuple(shape), tf.as_dtype(dtype)) for shape, dtype in self._signature]
+        # a gradient traced from inputs of a dynamic shape may not know its static shape: compatible is enough
+        return len(variables) == len(self._signature) and all(
+            tf.TensorShape(shape).is_compatible_with(v.shape) and tf.as_dtype(dtype) == tf.as_dtype(v.dtype)
+            for v, (shape, dtype) in zip(variables, self._signature))
 
     def _apply_zeros(self) -> tf.Tensor:
         """The joined rank's step: all-reduce zeros, then apply the others' average, unless every rank has

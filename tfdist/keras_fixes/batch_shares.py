@@ -11,28 +11,34 @@ step's loss (what its ``compute_loss`` sums) weighs by exactly what one device g
   divisor over the global batch's (Keras divides by the loss values, the sample weights'
   sum or the unmasked values: ``losses.loss.reduce_values``);
 * a ``sum`` (or ``None``, which Keras sums through the gradient) by 1: summed over the
-  replicas it is the global batch's sum;
-* an additional loss (``add_loss``, regularization) and a loss function that returns a
-  scalar (taken as a mean over the replica's examples) by the replica's examples over the
-  global batch's.
+  replicas it is the global batch's sum; so is a loss function that returns one value for
+  the batch (a mean or a sum, which cannot be told apart: as Keras, with a warning);
+* an additional loss (``add_loss``, regularization) by the replica's examples over the
+  global batch's (as a mean over the examples).
 
-Where the divisor is the examples times a fixed number of values each (a mean with no
-sample weights and no mask), the replica knows its share from its own count: by default
+Where the divisor is the examples (a mean with no sample weights and no mask; a mean whose
+examples hold another number of values on another replica weighs by examples too), the
+replica knows its share from its own count: by default
 every term is then multiplied by the global count too, the count rides in the first float32
 gradient bucket's all-reduce (``gradient_buckets``), and the sums are divided by the global
 count after: one float more in a collective sent anyway. Any other divisor (and the global
 count, for a sum) is all-reduced where the term is computed: one small collective more for
 such a term. Under float16 compute or a loss scale (a loss multiplied by the count could
 overflow), the float16 wire or gradient accumulation (the sums of several steps are
-all-reduced at once), and for a ``compute_loss`` of the model's own, nothing is divided
-after: each term is multiplied by its share alone.
+all-reduced at once), and for a ``compute_loss`` of the model's own or a compiled Loss with a
+``__call__`` of its own (terms that may not pass through Keras' reductions), nothing is divided
+after: each term is multiplied by its share alone, and what passes no reduction weighs as in
+Keras. Every choice comes from what every worker has alike (reductions, the loss's structure,
+never a worker's static shapes), and the collectives are launched in the replica's own thread
+(``sum_over_replicas``), so no other replica's forward pass runs in the middle of the loss.
 
 A ``compute_loss`` of the model's own weighs what it computes through Keras' losses
 (``super().compute_loss``, a Loss it calls) exactly; a tensor of its own is summed over the
 replicas as Keras does (divide it by the global batch, e.g. with ``compute_average_loss``).
-Only the loss the step computes weighs so: a Loss called in the forward pass (for
-``add_loss``) keeps Keras' scaling, then weighs as an additional loss. The logged loss is one
-device's: Keras' tracker divides each replica's figure by its count's share again.
+A Loss called in the forward pass (for ``add_loss``) keeps one device's value of the replica's
+examples, then weighs as an additional loss; a Loss used as a metric logs one device's figure.
+The logged loss is one device's: Keras' tracker divides each replica's figure by its count's
+share again.
 ``TFDIST_BATCH_WEIGHTING=keras`` (read when a step is traced) gives Keras' 1 / replicas
 weighting back, for comparing with old runs.
 
@@ -53,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 from keras.src import tree
@@ -61,6 +68,8 @@ from keras.src.layers.layer import Layer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as trainer_module
+from tensorflow.python.distribute import collective_util
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.eager import record
 from tensorflow.python.ops.losses import util as tf_losses_util
 
@@ -78,6 +87,9 @@ patch = Patch(
     without="a global batch that does not split evenly over the replicas weighs the examples of the smaller "
             "share more than one device does (weights drift from one device's with every partial batch); a loss "
             "of another reduction weighs as Keras weighs it.")
+# What sum_over_replicas launches itself (TensorFlow's own path without a merge_call).
+patch.overrides(cross_device_ops_lib.CollectiveAllReduce, "_all_reduce",
+                ("self", "reduce_op", "value", "replica_id", "options"))
 
 
 def weighting() -> str:
@@ -95,8 +107,26 @@ def weighting() -> str:
 
 def global_count(local_count) -> tf.Tensor:
     """The replicas' counts added up (float32), from a replica context."""
+    return sum_over_replicas(tf.cast(local_count, tf.float32))
+
+
+def sum_over_replicas(value: tf.Tensor) -> tf.Tensor:
+    """``value`` summed over the replicas, launched in this replica's own thread.
+
+    ``ReplicaContext.all_reduce`` is a merge_call on CPUs: this replica's thread waits while the next one traces
+    its part of the step, and Keras keeps each forward pass's ``add_loss`` losses (and layers keep what they
+    stash) on the layers every replica shares, so a replica would read the other's afterwards. Launched here,
+    as tf.distribute itself launches collectives for XLA on GPUs (``_replica_ctx_all_reduce``), no other thread
+    runs. Eagerly (replicas run one after another) and without TensorFlow's collectives: ``all_reduce``.
+    """
     context = tf.distribute.get_replica_context()
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(local_count, tf.float32))
+    extended = tf.distribute.get_strategy().extended
+    get_ops = getattr(extended, "_get_cross_device_ops", None)
+    ops = get_ops(value) if get_ops is not None else None
+    if tf.executing_eagerly() or not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    options = extended._communication_options.merge(collective_util.Options())
+    return ops._all_reduce(tf.distribute.ReduceOp.SUM, value, context._replica_id, options)
 
 
 class _Share:
@@ -137,32 +167,44 @@ class _Share:
 
     def divided_by(self, divisor, times_total: bool) -> tf.Tensor:
         """A sum divided by ``divisor`` here: divisor / the replicas' divisors added up (times the global count)."""
-        context = tf.distribute.get_replica_context()
-        both = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([tf.cast(divisor, tf.float32), self.count]))
+        both = sum_over_replicas(tf.stack([tf.cast(divisor, tf.float32), self.count]))
         if self._total is None:
             self._total = both[1]
         share = tf.math.divide_no_nan(tf.cast(divisor, tf.float32), both[0])
         return share * self._total if times_total else share
 
     def per_example_loss(self, values, sample_weight, reduction) -> bool:
-        """Whether a loss Keras reduced from ``values`` is a mean over the examples: a scalar (taken as one), or a
-        mean over the examples times a fixed number of values each (no sample weights' sum, no mask)."""
-        if values.shape.rank == 0:
-            return True
-        return reduction in _MEANS and values.shape != (0,) and self.mask is None and \
-            values.shape[1:].is_fully_defined() and (reduction != "mean_with_sample_weight" or sample_weight is None)
+        """Whether a loss Keras reduced from ``values`` is a mean over the examples (no sample weights' sum, no
+        mask). Decided from what every worker has alike (the reduction, the loss's structure), never from a
+        worker's own static shapes: each decision chooses collectives, which must be the same on every worker. A
+        mean whose examples hold another number of values on another replica (padded apart) weighs by examples."""
+        return values.shape.rank != 0 and reduction in _MEANS and self.mask is None and \
+            (reduction != "mean_with_sample_weight" or sample_weight is None)
 
     def of_loss(self, values, sample_weight, reduction, times_total: bool) -> tf.Tensor:
         """The factor of a loss Keras reduced from ``values`` (``losses.loss.reduce_values``' arguments)."""
         if self.per_example_loss(values, sample_weight, reduction):
             return self.per_example(times_total)
-        if reduction not in _MEANS or values.shape == (0,):  # a sum (None: summed by the gradient), or nothing
+        if values.shape.rank == 0:
+            _warn_scalar_loss()
+        if reduction not in _MEANS or values.shape.rank == 0:  # a sum (None: summed by the gradient), a scalar
             return self.summed(times_total)
         if self.mask is not None and reduction != "mean_with_sample_weight":  # Keras divides by unmasked values
             return self.divided_by(tf.reduce_sum(tf.cast(self.mask, tf.float32)), times_total)
-        if reduction == "mean_with_sample_weight" and sample_weight is not None:
-            return self.divided_by(tf.reduce_sum(tf.cast(sample_weight, tf.float32)), times_total)
-        return self.divided_by(tf.cast(tf.size(values), tf.float32), times_total)
+        return self.divided_by(tf.reduce_sum(tf.cast(sample_weight, tf.float32)), times_total)
+
+
+_warned_scalar = [False]
+
+
+def _warn_scalar_loss() -> None:
+    """A loss function that returns one value for the batch: a mean or a sum, which tfdist cannot tell."""
+    if not _warned_scalar[0]:
+        _warned_scalar[0] = True
+        warnings.warn(
+            "A loss returned one value for the whole batch under several replicas: tfdist cannot tell a mean from "
+            "a sum, so it sums the replicas' values as Keras does (a mean then weighs replicas times its share). "
+            "Return one loss per example (Keras reduces it) for one device's weighting.", UserWarning, stacklevel=2)
 
 
 @contextlib.contextmanager
@@ -265,8 +307,11 @@ def _reduces_across_processes(optimizer) -> bool:
 
 
 def _keras_computes_the_loss(model) -> bool:
-    """Whether ``model``'s loss is Keras' own ``compute_loss`` (every term passes through its losses)."""
-    return type(model).compute_loss is trainer_module.Trainer.compute_loss
+    """Whether every term of ``model``'s loss passes through Keras' reductions: its own ``compute_loss``, and no
+    compiled Loss with a ``__call__`` of its own (its value would be divided after, never multiplied)."""
+    own_call = [loss for loss in tree.flatten(model.loss) if isinstance(loss, loss_module.Loss)
+                and type(loss).__call__ is not loss_module.Loss.__call__]
+    return type(model).compute_loss is trainer_module.Trainer.compute_loss and not own_call
 
 
 def _count_of(data) -> tf.Tensor:
@@ -415,15 +460,11 @@ def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:
     Raises:
         ValueError: a scalar ``per_example_loss`` (it needs one value per example), or a ``sample_weight`` that
             does not broadcast to it.
-        RuntimeError: called in cross-replica context (outside ``strategy.run``) under a strategy.
     """
     per_example_loss = tf.convert_to_tensor(per_example_loss)
     if per_example_loss.shape.rank == 0:
         raise ValueError("compute_average_loss takes one loss per example (a tensor of shape [batch, ...]); received "
                          "a scalar: compute the loss with reduction='none'.")
-    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-        raise RuntimeError("compute_average_loss is called in cross-replica context: call it inside "
-                           "strategy.run(...), in the function each replica runs (as tf.nn.compute_average_loss).")
     dtype = per_example_loss.dtype
     with tf_losses_util.check_per_example_loss_rank(per_example_loss):
         if sample_weight is not None:
