@@ -16,8 +16,8 @@ LAYERS = [
          "stragglers", "timeline")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
-    (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes")),
-    (5, ("collectives", "ranks", "optimizer", "callbacks", "data", "checkpoint")),
+    (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes", "checkpoint")),
+    (5, ("collectives", "ranks", "optimizer", "callbacks", "data")),
     (6, ("horovod", "ray_train", "bench", "doctor")),
 ]
 

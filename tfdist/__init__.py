@@ -31,7 +31,7 @@ checks it, imports inside functions included):
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
    ``tf_fixes``, ``runtime_hooks``, ``ray_fixes``;
 5. the public API: ``collectives`` (and finding the job), ``ranks`` (rank helpers),
-   ``optimizer``, ``callbacks``, ``data/*``, ``checkpoint/*`` (the checkpoint manager);
+   ``optimizer``, ``callbacks``, ``data/*``;
 6. fronts that compose the rest: ``horovod/*``, ``ray_train``, ``bench/*``, ``doctor``.
 """
 

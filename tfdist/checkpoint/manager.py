@@ -27,7 +27,7 @@ import tensorflow as tf
 from tfdist import kvstore, process_group, watchdog
 from tfdist.checkpoint import layout, store
 from tfdist.errors import CheckpointError
-from tfdist.keras_fixes import sharded_state
+from tfdist.keras_fixes.sharded_state import is_shard_slot, local_shards, slot_replicas, slot_shape
 
 FORMAT = 1
 _ATTEMPT = "TFDIST_RESTART"
@@ -215,8 +215,8 @@ class _Entry:
 
     def __init__(self, key: str, variable):
         self.key, self.variable = key, variable
-        self.sharded = sharded_state.is_shard_slot(variable)
-        self.shape = tuple(sharded_state.slot_shape(variable) if self.sharded else variable.shape)
+        self.sharded = is_shard_slot(variable)
+        self.shape = tuple(slot_shape(variable) if self.sharded else variable.shape)
         self.dtype = np.dtype(variable.dtype if isinstance(variable.dtype, str) else variable.dtype.name)
         self.size = int(np.prod(self.shape, dtype=np.int64))
         self.owner = 0
@@ -242,7 +242,7 @@ def _stage(entries: list[_Entry], rank: int, workers: int) -> dict[str, np.ndarr
     arrays = {}
     for entry in entries:
         if entry.sharded:
-            for replica, component in sharded_state.local_shards(entry.variable):
+            for replica, component in local_shards(entry.variable):
                 arrays[f"{entry.key}/{replica}"] = np.array(component.numpy(), copy=True)
         elif entry.owner == rank:
             arrays[entry.key] = np.array(entry.variable.numpy(), copy=True)
@@ -295,8 +295,8 @@ def restore_into(model, checkpoint: str) -> int:
                     f"{tuple(record['shape'])}; this model's {entry.key} ({entry.describe()['path']}) is "
                     f"{entry.dtype.name}{entry.shape}: it was saved for another model.")
             if entry.sharded:
-                for replica, component in sharded_state.local_shards(entry.variable):
-                    component.assign(reader.shard(record, replica, sharded_state.slot_replicas(entry.variable)))
+                for replica, component in local_shards(entry.variable):
+                    component.assign(reader.shard(record, replica, slot_replicas(entry.variable)))
             else:
                 entry.variable.assign(reader.whole(record))
     finally:

@@ -9,7 +9,9 @@ Under a MultiWorkerMirroredStrategy of several workers (rank from the model's st
   that epoch, not at its start (a ``tfdist.data`` dataset with the records not yet read,
   whatever the worker count: it records the counts that trained the epoch), and the epoch
   it restored ends with its ``fit`` (Keras 3.15 keeps it in ``model._initial_epoch``: a later ``fit`` of the model, with any callbacks,
-  started at that epoch and trained nothing when it asked for fewer epochs; on one device too).
+  started at that epoch and trained nothing when it asked for fewer epochs; on one device too). With
+  sharded optimizer state the backup is a ``tfdist.CheckpointManager`` checkpoint (``backup_dir/sharded``):
+  each worker writes its own shards, and it restores onto any number of workers.
 * ``TensorBoard``, ``CSVLogger``: other workers write to a private temporary place,
   deleted when training ends; only the chief's files appear.
 * ``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``:
@@ -42,7 +44,8 @@ from packaging.version import Version
 
 from tfdist import atomic_files, events, preemption, process_group
 from tfdist import fit_start
-from tfdist.keras_fixes import callback_state
+from tfdist.checkpoint.manager import CheckpointManager
+from tfdist.keras_fixes import callback_state, sharded_state
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -139,6 +142,10 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
     if not atomic_files.is_local(self.backup_dir):
         return original(self) if rank == 0 else None
     began = time.time()
+    record = {"epoch": self._current_epoch, "batch": self._last_batch_seen,
+              STEPS_DONE: getattr(self, "_tfdist_steps_done", 0), LAYOUTS: _layouts(self),
+              callback_state.KEY: callback_state.snapshot(getattr(self, "_tfdist_callbacks", ()))}
+    sharded = sharded_state.is_sharded(self.model.optimizer)
     with atomic_files.worker_directory(self.backup_dir, rank) as directory:
         weights = os.path.join(directory, os.path.basename(self._weights_path))
         metadata = os.path.join(directory, os.path.basename(self._training_metadata_path))
@@ -146,11 +153,11 @@ def _backup_on_every_worker_keep_the_chiefs(original, self):
             for current in (weights, metadata):
                 if os.path.exists(current):
                     atomic_files.atomic_write(lambda path, src=current: shutil.copyfile(src, path), f"{current}.bkp")
-        atomic_files.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
-        atomic_files.write_text(metadata, json.dumps({
-            "epoch": self._current_epoch, "batch": self._last_batch_seen,
-            STEPS_DONE: getattr(self, "_tfdist_steps_done", 0), LAYOUTS: _layouts(self),
-            callback_state.KEY: callback_state.snapshot(getattr(self, "_tfdist_callbacks", ()))}))
+        if sharded:  # each worker writes its shards; the record commits with them (restored from there)
+            _sharded_backup(self).save(self.model, metadata=record)
+        else:
+            atomic_files.atomic_write(lambda path: self.model.save_weights(path, overwrite=True), weights)
+        atomic_files.write_text(metadata, json.dumps(record))
     events.span("save", "BackupAndRestore", began, epoch=self._current_epoch,
                 steps_done=getattr(self, "_tfdist_steps_done", 0))
 
@@ -163,6 +170,10 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
     if atomic_files.is_local(path) and os.path.exists(path):
         with open(path) as file:
             metadata = json.load(file)
+    if atomic_files.is_local(self.backup_dir) and _sharded_backup(self).latest is not None:
+        _sharded_backup(self).restore(self.model)  # onto any number of workers, sharded or not
+        metadata = _sharded_backup(self).metadata()  # the record that committed with the shards
+        self.model._initial_epoch = metadata["epoch"]
     done, layouts, steps = metadata.get(STEPS_DONE, 0), metadata.get(LAYOUTS, []), self.params.get("steps")
     if done and steps and done >= steps:  # saved at an epoch's last step: never replay it empty
         self.model._initial_epoch += 1
@@ -170,6 +181,16 @@ def _restore_and_resume_mid_epoch(original, self, logs=None):
     epoch = getattr(self.model, "_initial_epoch", None)
     self._tfdist_restored = fit_start.Resume(epoch, done, tuple(map(tuple, layouts))) if epoch is not None else None
     preemption.resume_at(done, self._tfdist_restored)
+
+
+def _sharded_backup(callback):
+    """The checkpoint manager of a backup of sharded optimizer state (``backup_dir/sharded``): each worker writes
+    its own shards, nothing is gathered whole (tfdist.CheckpointManager)."""
+    manager = getattr(callback, "_tfdist_manager", None)
+    if manager is None:
+        manager = CheckpointManager(os.path.join(callback.backup_dir, "sharded"), max_to_keep=1, async_save=False)
+        callback._tfdist_manager = manager
+    return manager
 
 
 def _layouts(callback) -> list[list[int]]:
