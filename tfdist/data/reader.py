@@ -48,7 +48,7 @@ from tfdist.data import agreement, epochs, records
 from tfdist.data.records import DataError
 from tfdist.errors import ShardingWarning
 
-FilePattern = Union[str, Sequence[str]]
+FilePattern = Union[str, Sequence[str], tf.data.Dataset]
 # The file-order seed when none is given: a constant, so all workers agree without talking.
 _DEFAULT_FILE_SEED = 20261122
 # File caches this process has handed out: a lock file found before the first hand-out is stale.
@@ -65,7 +65,9 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     """A batched dataset of parsed, decoded records from TFRecord files.
 
     Args:
-        file_pattern: a glob pattern (``"out/data-*.tfrecord"``) or a list of them.
+        file_pattern: a glob pattern (``"out/data-*.tfrecord"``), a list of patterns or file names (a name
+            without glob characters must exist), or a ``tf.data.Dataset`` of file names
+            (``tf.data.Dataset.list_files``); the order does not matter (the files are sorted).
         batch_size: with ``input_context``, the GLOBAL batch, split evenly over the
             replicas; without, the batch this dataset yields.
         features: None reads every feature the records hold (what ``write_tfrecords``
@@ -224,12 +226,44 @@ def _check_arguments(shuffle_buffer: int, image_size, repeat, seed, cache) -> No
         raise DataError(f"cache must be False, True (memory) or a file path prefix: received cache={cache!r}.")
 
 
-def _list_files(file_pattern: FilePattern) -> list[str]:
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
-    paths = sorted({path for pattern in patterns for path in tf.io.gfile.glob(pattern)
-                    if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path)})
+def _patterns(file_pattern) -> list[str]:
+    """The patterns (or file names) that ``file_pattern`` gives: a str, a sequence of them, or a
+    ``tf.data.Dataset`` of file names (``tf.data.Dataset.list_files``).
+
+    Raises:
+        DataError: anything else, or a dataset that is endless or holds other than scalar strings.
+    """
+    if isinstance(file_pattern, (str, os.PathLike)):
+        return [os.fspath(file_pattern)]
+    if isinstance(file_pattern, tf.data.Dataset):
+        spec = file_pattern.element_spec
+        if not (isinstance(spec, tf.TensorSpec) and spec.dtype == tf.string and spec.shape.rank == 0):
+            raise DataError(f"file_pattern as a tf.data.Dataset must yield file names (scalar strings, as "
+                            f"tf.data.Dataset.list_files does): received one of {spec}.")
+        if file_pattern.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise DataError("file_pattern is an endless tf.data.Dataset of file names (a repeat?): pass the files "
+                            "once; repeat=True repeats the records.")
+        return [name.decode() for name in file_pattern.as_numpy_iterator()]
+    patterns = list(file_pattern) if isinstance(file_pattern, (list, tuple)) else None
+    if not patterns or not all(isinstance(pattern, (str, os.PathLike)) for pattern in patterns):
+        raise DataError(f"file_pattern must be a glob pattern, a non-empty list of patterns or file names, or a "
+                        f"tf.data.Dataset of file names: received file_pattern={file_pattern!r}.")
+    return [os.fspath(pattern) for pattern in patterns]
+
+
+def _list_files(patterns: list[str], source: str) -> list[str]:
+    """The files ``patterns`` match (a name without glob characters must exist); ``source``: how messages show
+    them."""
+    paths = set()
+    for pattern in patterns:
+        found = tf.io.gfile.glob(pattern) or ([pattern] if tf.io.gfile.exists(pattern) else [])  # "a[1].tfrecord"
+        if not found and not any(c in pattern for c in "*?["):
+            raise FileNotFoundError(f"file_pattern={source} names {pattern!r}, which does not exist.")
+        paths.update(path for path in found
+                     if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path))
+    paths = sorted(paths)
     if not paths:
-        raise FileNotFoundError(f"file_pattern={file_pattern!r} matches no file. Check the directory; shards from "
+        raise FileNotFoundError(f"file_pattern={source} matches no file. Check the directory; shards from "
                                 "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
                                 "(pattern 'DIR/data-*.tfrecord').")
     _refuse_shards_being_written(paths)
@@ -269,21 +303,21 @@ def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], li
     return list(counts), list(counts.values())
 
 
-def _listed_alike_on_every_worker(file_pattern: FilePattern, skip_corrupt: bool,
-                                  pipelines: int) -> tuple[list[str], list[int]]:
+def _listed_alike_on_every_worker(file_pattern, skip_corrupt: bool, pipelines: int) -> tuple[list[str], list[int]]:
     """``_readable_files`` of the pattern; sharded over the workers of a multi-worker job, once every worker
-    listed the same files with the same record counts (issue 43: ``agreement.check_same_files``)."""
+    listed the same files with the same record counts (``agreement.check_same_files``)."""
+    patterns = _patterns(file_pattern)
+    source = agreement.shown(file_pattern if isinstance(file_pattern, (str, list, tuple)) else sorted(patterns))
     job = cluster_lib.cluster_from_env() if pipelines > 1 else None
     if job is None or not job.is_multi_worker:
-        return _readable_files(_list_files(file_pattern), skip_corrupt)
+        return _readable_files(_list_files(patterns, source), skip_corrupt)
     try:
-        paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
-    except (FileNotFoundError, DataError) as error:
-        agreement.check_same_files(file_pattern, error, job.worker_index, job.num_workers)
+        paths, counts = _readable_files(_list_files(patterns, source), skip_corrupt)
+    except Exception as error:  # none match, a damaged file, the filesystem's own error: the peers stop too
+        agreement.check_same_files(source, error, job.worker_index, job.num_workers)
         raise
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
     names = agreement.relative_names(patterns, paths)
-    agreement.check_same_files(file_pattern, sorted(zip(names, counts)), job.worker_index, job.num_workers)
+    agreement.check_same_files(source, sorted(zip(names, counts)), job.worker_index, job.num_workers)
     return paths, counts
 
 
