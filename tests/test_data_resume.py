@@ -28,10 +28,13 @@ STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the rec
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """The 96 records (label = number) in 6 files and in 2 (fewer files than 3 pipelines: record-level)."""
+    """The 96 records (label = number) in 6 files, in 2 (fewer files than 3 pipelines), in 5 (which neither 2 nor 3
+    divides) and in 7 of unequal sizes."""
     root = tmp_path_factory.mktemp("resume")
-    return {n: data.write_tfrecords({"label": np.arange(RECORDS)}, str(root / str(n)), num_shards=n).pattern
-            for n in (6, 2)}
+    found = {n: data.write_tfrecords({"label": np.arange(RECORDS)}, str(root / str(n)), num_shards=n).pattern
+             for n in (6, 2, 5)}
+    found["7_unequal"] = write_unequal_shards(root / "7_unequal", [4, 25, 7, 18, 14, 20, 8])
+    return found
 
 
 def pipeline(pattern, worker, workers, seed=5, **options):
@@ -69,6 +72,11 @@ CHAINS = {  # files: the runs' (workers, steps done when each stopped), the last
     "same_count": (6, [(2, 3), (2, 6), (2, STEPS)]),
     "record_level_3_then_2": (2, [(3, 1), (2, STEPS)]),
     "2_then_record_level_3": (2, [(2, 5), (3, STEPS)]),
+    # issue 49: the shares of 5 files on 2 workers were 3 and 2 files, so 7 steps took one past its share
+    "5_files_2_then_3": (5, [(2, 7), (3, STEPS)]),
+    "5_files_3_then_2_then_3": (5, [(3, 7), (2, 7), (3, STEPS)]),
+    "7_unequal_files_2_then_3_then_2": ("7_unequal", [(2, 3), (3, 5), (2, STEPS)]),
+    "7_unequal_files_same_count": ("7_unequal", [(3, 3), (3, 6), (3, STEPS)]),
 }
 
 
@@ -116,7 +124,6 @@ def test_every_iterator_started_in_the_window_takes_the_position_and_none_after_
 @pytest.mark.parametrize("why, options, steps_per_epoch, earlier", [
     ("only with tfrecord_dataset\\(seed=...\\)", {"seed": None}, STEPS, 3),
     ("not one pass over the 96 records", {}, STEPS - 1, 3),
-    ("its 4 workers' shares of it differ \\(16 to 32 records", {}, STEPS, 4),  # 6 files of 16 over 4
 ])
 def test_a_resume_that_cannot_be_exact_says_why(shards, why, options, steps_per_epoch, earlier):
     dataset = pipeline(shards[6], 0, 2, **options)
@@ -246,3 +253,41 @@ def test_a_repeating_dataset_passed_to_fit_without_distribute_can_be_auto_sharde
     dataset = data.tfrecord_dataset(shards[6], batch_size=6, repeat=True, seed=5, features=["label"])
     halves = [first_records(tf_distribute._AutoShardDataset(dataset, 2, index), 48) for index in (0, 1)]
     assert sorted(halves[0] + halves[1]) == list(range(RECORDS))
+
+
+def write_unequal_shards(directory, sizes):
+    """Records 0, 1, ... (``label``) in one file per size: ``data-0000i-of-0000n.tfrecord``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    first = 0
+    for index, size in enumerate(sizes):
+        with tf.io.TFRecordWriter(str(directory / f"data-{index:05d}-of-{len(sizes):05d}.tfrecord")) as writer:
+            for label in range(first, first + size):
+                writer.write(tf.train.Example(features=tf.train.Features(feature={"label": tf.train.Feature(
+                    int64_list=tf.train.Int64List(value=[label]))})).SerializeToString())
+        first += size
+    return str(directory / "data-*.tfrecord")
+
+
+ISSUE_RECORDS, ISSUE_BATCH = 120, 12  # the issue's 120 records; 10 steps of 12 an epoch (2 and 3 divide 12)
+
+
+@pytest.mark.parametrize("sizes", [[24] * 5, [5, 30, 8, 22, 17, 26, 12]], ids=["5_shards", "7_unequal_shards"])
+def test_a_job_preempted_on_2_workers_and_resumed_on_3_trains_every_record_once_per_epoch(tmp_path, sizes):
+    """Issue 49: SIGTERM to `tfdist run -n 2` in epoch 1 (exit 85), then the same command with -n 3, 3 epochs: with
+    5 shards records were trained 1, 2, 3 and 4 times (the workers' shares of an epoch differed: 3 files and 2)."""
+    if len(set(sizes)) == 1:
+        pattern = data.write_tfrecords({"label": np.arange(ISSUE_RECORDS)}, str(tmp_path / "shards"),
+                                       num_shards=len(sizes)).pattern
+    else:
+        pattern = write_unequal_shards(tmp_path / "shards", sizes)
+    job = tmp_path / "job"
+    for workers, stop in ((2, "1:4"), (3, "-")):
+        result = run_job("resume_records_job.py", job, pattern, str(ISSUE_RECORDS), str(ISSUE_BATCH), stop, "3", "3",
+                         "sigterm", num_workers=workers, timeout=300)
+        if stop != "-":
+            assert result.returncode == 85, result.output[-3000:]
+    result.check()
+    assert sorted(result.results) == [0, 1, 2]
+    for rank, found in result.results.items():
+        times = collections.Counter(round(-row * ISSUE_BATCH, 4) for row in found["rows"])
+        assert times == {3.0: ISSUE_RECORDS}, (rank, times)

@@ -104,7 +104,7 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
             (numbers, booleans or strings). Floats are stored as float32.
         out_dir: the directory for the shards (created if missing).
         num_shards: how many files (1 to 99999); write at least as many as the workers that
-            will read them, so each reads whole files.
+            will read them, so each reads several files in parallel.
         prefix: shard names are ``prefix-00000-of-00016.tfrecord``.
         image_format: "jpeg" (smaller, lossy) or "png" (lossless).
         jpeg_quality: 1 to 100.
