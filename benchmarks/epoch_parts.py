@@ -1,6 +1,6 @@
 """What equal shares cost to read: an epoch cut into contiguous parts against whole files per worker (issue 49).
 
-    python benchmarks/epoch_parts.py [--records 96000] [--bytes 2048] [--rounds 6]
+    python benchmarks/epoch_parts.py [--records 96000] [--bytes 2048] [--rounds 6] [--only WORD]
 
 Writes ``--records`` records (an int and ``--bytes`` of payload each) in the layouts below, then, in alternating
 rounds, reads one epoch of every input pipeline of each layout both ways (records counted in batches, not parsed,
@@ -11,9 +11,10 @@ so the read itself is all that is timed: the ratio's worst case):
   files    the path before (commit e417d86): pipeline p reads every N-th file of the epoch's order, whole, or, with
            fewer files than pipelines, every file keeping every N-th record (rebuilt here from its code)
 
-Prints, per layout and round, the seconds of all pipelines one after another (the reading the job does in all)
-and of the slowest pipeline (what an epoch waits for when the workers read in parallel), and the ratios
-parts / files. Both ways shuffle through the same seeded buffer.
+Prints, per layout, the records epoch 1's parts skip, and per round the seconds of all pipelines one after another
+(the reading the job does in all) and of the slowest pipeline (what an epoch waits for when the workers read in
+parallel), and the ratios parts / files. Both ways shuffle through the same seeded buffer. Last, what skipping a
+file's records costs against reading them (a TFRecordDataset alone).
 """
 
 from __future__ import annotations
@@ -95,21 +96,40 @@ def time_epoch(make, files: epochs.Files, pipelines: int) -> Timing:
     return Timing(sum(seconds), max(seconds), records)
 
 
+def skipped(files: epochs.Files, pipelines: int) -> int:
+    """The records the pipelines skip in epoch 1: those before each run that starts inside a file."""
+    return sum(int(first) for pipeline in range(pipelines) for _, first, _ in
+               epochs.parts(files, tf.constant(1, tf.int64), pipeline, pipelines).as_numpy_iterator())
+
+
+def skip_against_read(files: epochs.Files) -> tuple[float, float]:
+    """Seconds to skip the largest file's records but its last, and to read them all (no shuffle, batch, parse)."""
+    path, count = max(zip(files.paths, files.counts), key=lambda pair: pair[1])
+    seconds = []
+    for dataset in (tf.data.TFRecordDataset(path).skip(count - 1), tf.data.TFRecordDataset(path)):
+        began = time.perf_counter()
+        dataset.batch(1024).reduce(tf.constant(0, tf.int64), lambda n, batch: n + tf.size(batch, tf.int64))
+        seconds.append(time.perf_counter() - began)
+    return seconds[0], seconds[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=96000)
     parser.add_argument("--bytes", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--only", default="", help="only the layouts whose name holds this word")
     args = parser.parse_args()
     ways = {"parts": parts_stream, "files": whole_files_stream}
     with tempfile.TemporaryDirectory() as root:
         layouts = {name: (write(root, f"l{i}", weights, args.records, args.bytes), pipelines)
-                   for i, (name, (weights, pipelines)) in enumerate(LAYOUTS.items())}
+                   for i, (name, (weights, pipelines)) in enumerate(LAYOUTS.items()) if args.only in name}
         print(f"{args.records} records of {args.bytes} bytes (and an int) per layout; {args.rounds} rounds, "
               f"alternating which way reads first; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
         for name, (files, pipelines) in layouts.items():
             ratios_total, ratios_slowest = [], []
-            print(f"\n{name}: files of {list(files.counts)} records")
+            shown = list(files.counts) if len(files.counts) < 10 else f"{len(files.counts)} x {files.counts[1]}"
+            print(f"\n{name}: files of {shown} records; epoch 1's parts skip {skipped(files, pipelines)} records")
             for number in range(args.rounds):
                 order = ("parts", "files") if number % 2 == 0 else ("files", "parts")
                 found = {way: time_epoch(ways[way], files, pipelines) for way in order}
@@ -123,6 +143,11 @@ def main() -> None:
             print(f"  median ratio parts / files: in all {np.median(ratios_total):.2f} (rounds "
                   f"{min(ratios_total):.2f}-{max(ratios_total):.2f}), slowest pipeline {np.median(ratios_slowest):.2f} "
                   f"(rounds {min(ratios_slowest):.2f}-{max(ratios_slowest):.2f}); load average {os.getloadavg()[0]:.2f}")
+        files = max((files for files, _ in layouts.values()), key=lambda files: max(files.counts))
+        pairs = [skip_against_read(files) for _ in range(args.rounds)]
+        print(f"\nskipping {max(files.counts) - 1} records of one file against reading them (TFRecordDataset alone), "
+              "seconds per round: " + ", ".join(f"{skip:.3f} / {read:.3f}" for skip, read in pairs)
+              + f"; median ratio {np.median([skip / read for skip, read in pairs]):.2f}")
 
 
 if __name__ == "__main__":
