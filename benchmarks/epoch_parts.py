@@ -142,7 +142,8 @@ def main() -> None:
                       f"{ratios_slowest[-1]:.2f}")
             print(f"  median ratio parts / files: in all {np.median(ratios_total):.2f} (rounds "
                   f"{min(ratios_total):.2f}-{max(ratios_total):.2f}), slowest pipeline {np.median(ratios_slowest):.2f} "
-                  f"(rounds {min(ratios_slowest):.2f}-{max(ratios_slowest):.2f}); load average {os.getloadavg()[0]:.2f}")
+                  f"(rounds {min(ratios_slowest):.2f}-{max(ratios_slowest):.2f}); "
+                  f"load average {os.getloadavg()[0]:.2f}")
         files = max((files for files, _ in layouts.values()), key=lambda files: max(files.counts))
         pairs = [skip_against_read(files) for _ in range(args.rounds)]
         print(f"\nskipping {max(files.counts) - 1} records of one file against reading them (TFRecordDataset alone), "

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tests.jobs import run_job
 from tfdist import data
 from tfdist import fit_start
+from tfdist.data import epochs
 
 RECORDS, GLOBAL_BATCH = 96, 12
 STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the records
@@ -90,7 +91,7 @@ def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
         assert len({len(t) for t in trained}) == 1, [len(t) for t in trained]  # in lock-step
         seen += [record for worker in trained for record in worker]
         layouts = () if len(layouts) == 1 and layouts[0][0] == workers else layouts  # the same stream went on
-        layouts, done = layouts + ((workers, steps, GLOBAL_BATCH),), steps
+        layouts, done = layouts + ((workers, steps, GLOBAL_BATCH, epochs.SPLIT),), steps
     assert sorted(seen) == list(range(RECORDS)), collections.Counter(seen).most_common(3)
 
 
@@ -118,7 +119,7 @@ def test_every_iterator_started_in_the_window_takes_the_position_and_none_after_
         assert first_records(first, 6) == first_records(second, 6) == fresh[RECORDS // 2:][:6]
         fit_start.close()
         assert first_records(validation, 6) == fresh[:6]
-    assert fit_start.training_layout() == (2, GLOBAL_BATCH)
+    assert fit_start.training_layout() == (2, GLOBAL_BATCH, epochs.SPLIT)
 
 
 @pytest.mark.parametrize("why, options, steps_per_epoch, earlier", [
@@ -129,7 +130,8 @@ def test_a_resume_that_cannot_be_exact_says_why(shards, why, options, steps_per_
     dataset = pipeline(shards[6], 0, 2, **options)
     with pytest.warns(UserWarning, match=f"resumed at step 3 of epoch 2 may read some records of that epoch twice "
                                          f"and others not at all: .*{why}"):
-        with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((earlier, 3),)), steps_per_epoch)):
+        resume = fit_start.Resume(1, 3, ((earlier, 3, GLOBAL_BATCH, epochs.SPLIT),))
+        with fit_start.opened(fit_start.Start(resume, steps_per_epoch)):
             first_records(dataset, 12)
 
 
@@ -153,7 +155,7 @@ def test_a_changed_global_batch_reads_the_records_not_read_yet_and_says_the_epoc
             tf.random.set_seed(worker)
             dataset = data.tfrecord_dataset(pattern, batch_size=24, input_context=tf.distribute.InputContext(
                 2, worker, 2), repeat=True, seed=5, features=["label"])
-            with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, 12),)), RECORDS // 24)):
+            with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, 12, epochs.SPLIT),)), RECORDS // 24)):
                 rest += first_records(dataset, 3 * per_step + 30)[3 * per_step:]
     assert sorted(read + rest) == list(range(RECORDS))
 
@@ -193,7 +195,7 @@ def test_a_restarted_fit_from_a_given_initial_epoch_trains_each_record_once(shar
     with pytest.raises(RuntimeError, match="killed"):
         fit(counter_model(), [DieAt(initial_epoch, 3)])
     metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
-    assert metadata["data_layouts_in_epoch"] == [[1, 3, GLOBAL_BATCH]]
+    assert metadata["data_layouts_in_epoch"] == [[1, 3, GLOBAL_BATCH, "parts"]]
     model = counter_model()
     fit(model, [])
     times = collections.Counter(np.round(-model.get_weights()[0][:, 0] * GLOBAL_BATCH, 4).tolist())
@@ -291,3 +293,14 @@ def test_a_job_preempted_on_2_workers_and_resumed_on_3_trains_every_record_once_
     for rank, found in result.results.items():
         times = collections.Counter(round(-row * ISSUE_BATCH, 4) for row in found["rows"])
         assert times == {3.0: ISSUE_RECORDS}, (rank, times)
+
+
+def test_a_backup_whose_runs_split_the_epoch_another_way_says_so(shards):
+    """A backup written by a tfdist before equal parts records runs of 3 fields: their workers read whole files
+    (every N-th of the epoch's order), so the replay of them with today's split would name other records."""
+    dataset = pipeline(shards[6], 0, 3)
+    with pytest.warns(UserWarning, match=r"resumed at step 3 of epoch 2 may read some records of that epoch twice "
+                                         r"and others not at all: its earlier runs split the epoch's records another "
+                                         r"way \(a backup of an older tfdist\)"):
+        with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, GLOBAL_BATCH),)), STEPS)):
+            first_records(dataset, 12)

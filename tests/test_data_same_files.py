@@ -239,7 +239,8 @@ def test_a_worker_whose_file_list_is_one_shorter_stops_the_job_in_seconds_naming
         assert re.search(rf"\[{rank}\] tfdist\.errors\.DataError: tfrecord_dataset\(file_pattern=\['shards/train-"
                          rf"00000-of-00004\.tfrecord', .*\]\) lists other files on some workers, so the workers would "
                          rf"not read every record once: worker 1 lists 3 files \(24 records\), worker 0 lists 4 \(32 "
-                         rf"records\): {re.escape(MISSING)}\. A shared filesystem", result.output), result.output[-3000:]
+                         rf"records\): {re.escape(MISSING)}\. A shared filesystem", result.output), \
+            result.output[-3000:]
     assert "began its first step" not in result.output
 
 

@@ -34,6 +34,7 @@ _MAX_OPEN_FILES = 16
 _GRAPH_SEED = 20261128  # the seeded shuffles' graph-level seed, set in their own function graph only
 _EPOCH, _REST = 0, 1  # kinds of shuffle, so that an epoch's rest is ordered apart from a whole epoch
 _REPLAY_BATCH = 1 << 16
+SPLIT = "parts"  # how an epoch is cut among pipelines (``bounds``), as backups record it: older ones cut whole files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +182,10 @@ def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed:
 
 
 def consumed(files: Files, epoch: int, layouts) -> np.ndarray:
-    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch)``
+    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch, ...)``
     each, the first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
     mask, done = np.zeros(files.total, bool), 0
-    for run, (pipelines, steps, global_batch) in enumerate(layouts):
+    for run, (pipelines, steps, global_batch, *_) in enumerate(layouts):
         read = mask.copy()
         per_step = global_batch // pipelines
         for pipeline in range(pipelines):
@@ -226,7 +227,7 @@ class Starts:
     def take(self):
         """The plan of this iterator, as the tensors the dataset's ``py_function`` returns (it runs as the
         iterator reads its first element)."""
-        start = fit_start.take(self.pipelines, self.global_batch)
+        start = fit_start.take(self.pipelines, self.global_batch, SPLIT)
         plan = Plan() if start is None else self._plan(start)
         keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
         return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
@@ -245,13 +246,16 @@ class Starts:
         if not self.files.replayable:
             self._warn(resume, "which records the interrupted run read is known only with tfrecord_dataset(seed=...) "
                                "(and deterministic left None or True); it skips as many records as were read")
-        layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch)
-                        for run in resume.layouts or ((self.pipelines, resume.steps),))
+        known = resume.layouts or ((self.pipelines, resume.steps, self.global_batch, SPLIT),)
+        layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch,
+                         run[3] if len(run) > 3 else None) for run in known)
+        if any(run[3] != SPLIT for run in layouts):
+            self._warn(resume, "its earlier runs split the epoch's records another way (a backup of an older tfdist)")
         if any(run[2] != self.global_batch for run in layouts):
             self._warn(resume, f"its steps were of a global batch of {layouts[-1][2]}, this fit's are of "
                                f"{self.global_batch}; it reads the records not read yet, but its epoch ends by "
                                "steps, not by records")
-        if layouts == ((self.pipelines, resume.steps, self.global_batch),):
+        if layouts == ((self.pipelines, resume.steps, self.global_batch, SPLIT),):
             return Plan(epoch=resume.epoch)  # the fit skips its done steps' batches of this very epoch
         read = consumed(self.files, resume.epoch, layouts)
         touched, keep = rest_part(self.files, resume.epoch, self.pipeline, self.pipelines, read)

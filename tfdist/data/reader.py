@@ -141,7 +141,7 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     if cache or not repeat:  # the same files every epoch (a cache replays the first), records reshuffled
         dataset = epochs.unshuffled(files, tf.constant(0, tf.int64), pipeline_id, pipelines, epochs.records(files))
         if cache:
-            settings = [counts, files.seed, shuffle, skip_corrupt, "contiguous parts"]  # a cache of another split: never
+            settings = [counts, files.seed, shuffle, skip_corrupt, epochs.SPLIT]  # never a cache of another split
             dataset = dataset.cache("" if cache is True else _cache_path(cache, pipeline_id, pipelines, paths, settings))
         dataset = dataset.shuffle(shuffle_buffer, seed=seed) if shuffle else dataset
         if repeat:
