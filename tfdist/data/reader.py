@@ -10,7 +10,7 @@ stateless permutation seeded by ``(seed, e)``, so it is the same on every worker
 whatever global seed each process set (``tf.random.set_seed(100 + rank)`` is a common
 idiom); the epoch's records, in that order, are cut into one contiguous part per input
 pipeline, of sizes that differ by one record at most, whatever the number of files and
-their sizes (``tfdist.data.epochs``). With ``seed`` given, the record shuffle inside a shard is a function of
+their sizes (``tfdist.data.epochs``). With ``seed`` given, the record shuffle inside a part is a function of
 ``(seed, epoch, pipeline, pipelines)`` too (``tfdist.data.epochs``), so a fit resumed
 mid-epoch, on any worker count, can read exactly the records its interrupted run had not;
 without, it and augmentation use the process's own random state.
