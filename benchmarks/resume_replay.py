@@ -39,7 +39,7 @@ def main() -> None:
     batch = 1536
     with tempfile.TemporaryDirectory() as root:
         written = data.write_tfrecords({"label": np.arange(args.records)}, root, num_shards=args.files)
-        paths = sorted(reader._list_files(written.pattern))
+        paths = sorted(reader._list_files([written.pattern], repr(written.pattern)))
         counts = [data.check_file(path).num_records for path in paths]
         files = epochs.Files(tuple(paths), tuple(counts), 5, True, True, 4096, True, False)
         steps = args.records // batch

@@ -159,6 +159,36 @@ def test_pattern_matching_no_file(tmp_path):
         data.tfrecord_dataset(str(tmp_path / "nothing-*"), batch_size=4)
 
 
+def test_every_form_of_file_list_reads_the_same_records(tmp_path):
+    """A pattern, a list of names (in any order), a list of patterns, a tf.data.Dataset.list_files (shuffled)."""
+    written = data.write_tfrecords({"label": np.arange(20)}, str(tmp_path), num_shards=4)
+    names = list(written.paths)
+    forms = [written.pattern, names[::-1], [str(tmp_path / "data-0000[0-1]-*"), str(tmp_path / "data-0000[2-3]-*")],
+             tf.data.Dataset.list_files(written.pattern), [pathlib.Path(name) for name in names]]
+    for form in forms:
+        assert read_all(form)["label"].tolist() == list(range(20)), form
+
+
+@pytest.mark.parametrize("file_pattern, error, message", [
+    (lambda names: tf.data.Dataset.range(3), data.DataError,
+     r"file_pattern as a tf\.data\.Dataset must yield file names \(scalar strings, as tf\.data\.Dataset\.list_files "
+     r"does\): received one of TensorSpec\(shape=\(\), dtype=tf\.int64"),
+    (lambda names: tf.data.Dataset.from_tensor_slices(names).repeat(), data.DataError,
+     r"file_pattern is an endless tf\.data\.Dataset of file names \(a repeat\?\): pass the files once"),
+    (lambda names: [], data.DataError, r"file_pattern must be a glob pattern, a non-empty list of patterns or file "
+                                       r"names, or a tf\.data\.Dataset of file names: received file_pattern=\[\]\."),
+    (lambda names: [names[0], 3], data.DataError, r"received file_pattern=\['.*', 3\]\.$"),
+    (lambda names: 7, data.DataError, r"received file_pattern=7\.$"),
+    (lambda names: names + [names[0] + ".gone"], FileNotFoundError,
+     r"file_pattern=\[.*\] names '.*data-00000-of-00002\.tfrecord\.gone', which does not exist\.$"),
+])
+def test_a_file_list_of_another_kind_or_naming_a_missing_file_is_refused_naming_it(tmp_path, file_pattern, error,
+                                                                                 message):
+    names = list(data.write_tfrecords({"label": np.arange(4)}, str(tmp_path), num_shards=2).paths)
+    with pytest.raises(error, match=message):
+        data.tfrecord_dataset(file_pattern(names), batch_size=2)
+
+
 @pytest.mark.parametrize("batch_size", [0, -4, 2.5, True])
 def test_batch_size_must_be_positive(jpeg_shards, batch_size):
     with pytest.raises(data.DataError, match=rf"batch_size must be a positive int: received batch_size={batch_size}"):
@@ -326,6 +356,7 @@ def worker_1_after_the_chief(monkeypatch):
     from tfdist.data import agreement, writer
 
     values = {}
+    monkeypatch.setattr(agreement, "_calls", collections.Counter())  # the chief's calls: this process's from here
     monkeypatch.setattr(writer, "kvstore", types.SimpleNamespace(
         available=lambda: True, get=lambda key, timeout_ms=500: values.get(key), put=values.__setitem__))
 
@@ -351,6 +382,31 @@ def test_a_worker_whose_examples_differ_from_the_chiefs_fails_naming_why(tmp_pat
     worker_1_after_the_chief()
     with pytest.raises(data.DataError, match=message):
         data.write_tfrecords({"label": labels.copy()}, str(tmp_path), num_shards=2)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_call_differs_from_the_chiefs_is_told_at_once_naming_the_arguments(tmp_path,
+                                                                                        worker_1_after_the_chief):
+    """Issue 49: the calls were keyed by their arguments, so worker 1's call with other ones waited for ever."""
+    data.write_tfrecords({"label": np.arange(12)}, str(tmp_path), num_shards=2)
+    worker_1_after_the_chief()
+    with pytest.raises(data.DataError, match=r"^write_tfrecords: worker 1's call 1 of write_tfrecords differs from "
+                                             r"worker 0's call 1: prefix='train' \(worker 0: 'data'\), num_shards=3 "
+                                             r"\(worker 0: 2\)\. Every worker must make the same write_tfrecords "
+                                             r"calls in the same order \(or call it on worker 0 only, then "
+                                             r"tfdist\.collectives\.barrier\(\)\)\.$"):
+        data.write_tfrecords({"label": np.arange(12)}, str(tmp_path), num_shards=3, prefix="train")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_mounts_the_directory_elsewhere_follows_the_chief(tmp_path, worker_1_after_the_chief):
+    """out_dir is not compared: worker 1 reaches worker 0's directory by another path and returns its shards."""
+    written = data.write_tfrecords({"label": np.arange(12)}, str(tmp_path / "shards"), num_shards=2)
+    (tmp_path / "mount").symlink_to(tmp_path / "shards")
+    worker_1_after_the_chief()
+    followed = data.write_tfrecords({"label": np.arange(12)}, str(tmp_path / "mount"), num_shards=2)
+    assert followed.num_records == written.num_records == 12
+    assert [os.path.basename(p) for p in followed.paths] == [os.path.basename(p) for p in written.paths]
 
 
 @pytest.mark.timeout(60)

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tfdist import data
+from tfdist.data import epochs as epochs_lib
 from tfdist.data import reader
 
 NUM_RECORDS = 101  # prime: no file or worker count divides it
@@ -89,25 +90,11 @@ def read_worker(pattern, worker, workers, case, cache_prefix, run):
 
 
 def split_epochs(stream, files, workers, worker):
-    """A worker's records cut into its epochs: each epoch holds whole files, as many in every epoch
-    (file-level sharding), or every n-th record of every file (record-level). Returns the complete epochs."""
-    sizes = collections.Counter(i % files for i in range(NUM_RECORDS))
-    if files >= workers:
-        files_per_epoch = len(range(worker, files, workers))
-        def complete(counts):
-            return len(counts) == files_per_epoch and all(counts[f] == sizes[f] for f in counts)
-    else:
-        per_epoch = sum(len(range(worker, sizes[f], workers)) for f in range(files))
-        def complete(counts):
-            return sum(counts.values()) == per_epoch
-    epochs, current, counts = [], [], collections.Counter()
-    for index in stream:
-        current.append(index)
-        counts[index % files] += 1
-        if complete(counts):
-            epochs.append(current)
-            current, counts = [], collections.Counter()
-    return epochs
+    """A worker's records cut into its epochs: each epoch is its share, ``NUM_RECORDS // workers`` records or one
+    more (``tfdist.data.epochs.bounds``), whatever the ``files``. Returns the complete epochs."""
+    first, stop = epochs_lib.bounds(NUM_RECORDS, worker, workers)
+    share = stop - first
+    return [stream[start:start + share] for start in range(0, len(stream) - share + 1, share)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(f"{k}={v}" for k, v in case.items()) for case in CASES])

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tests.jobs import run_job
 from tfdist import data
 from tfdist import fit_start
+from tfdist.data import epochs
 
 RECORDS, GLOBAL_BATCH = 96, 12
 STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the records
@@ -28,10 +29,13 @@ STEPS = RECORDS // GLOBAL_BATCH  # one epoch of the fit is one pass over the rec
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """The 96 records (label = number) in 6 files and in 2 (fewer files than 3 pipelines: record-level)."""
+    """The 96 records (label = number) in 6 files, in 2 (fewer files than 3 pipelines), in 5 (which neither 2 nor 3
+    divides) and in 7 of unequal sizes."""
     root = tmp_path_factory.mktemp("resume")
-    return {n: data.write_tfrecords({"label": np.arange(RECORDS)}, str(root / str(n)), num_shards=n).pattern
-            for n in (6, 2)}
+    found = {n: data.write_tfrecords({"label": np.arange(RECORDS)}, str(root / str(n)), num_shards=n).pattern
+             for n in (6, 2, 5)}
+    found["7_unequal"] = write_unequal_shards(root / "7_unequal", [4, 25, 7, 18, 14, 20, 8])
+    return found
 
 
 def pipeline(pattern, worker, workers, seed=5, **options):
@@ -69,6 +73,11 @@ CHAINS = {  # files: the runs' (workers, steps done when each stopped), the last
     "same_count": (6, [(2, 3), (2, 6), (2, STEPS)]),
     "record_level_3_then_2": (2, [(3, 1), (2, STEPS)]),
     "2_then_record_level_3": (2, [(2, 5), (3, STEPS)]),
+    # issue 49: the shares of 5 files on 2 workers were 3 and 2 files, so 7 steps took one past its share
+    "5_files_2_then_3": (5, [(2, 7), (3, STEPS)]),
+    "5_files_3_then_2_then_3": (5, [(3, 7), (2, 7), (3, STEPS)]),
+    "7_unequal_files_2_then_3_then_2": ("7_unequal", [(2, 3), (3, 5), (2, STEPS)]),
+    "7_unequal_files_same_count": ("7_unequal", [(3, 3), (3, 6), (3, STEPS)]),
 }
 
 
@@ -82,7 +91,7 @@ def test_every_record_of_the_resumed_epoch_is_read_once(shards, chain):
         assert len({len(t) for t in trained}) == 1, [len(t) for t in trained]  # in lock-step
         seen += [record for worker in trained for record in worker]
         layouts = () if len(layouts) == 1 and layouts[0][0] == workers else layouts  # the same stream went on
-        layouts, done = layouts + ((workers, steps, GLOBAL_BATCH),), steps
+        layouts, done = layouts + ((workers, steps, GLOBAL_BATCH, epochs.SPLIT),), steps
     assert sorted(seen) == list(range(RECORDS)), collections.Counter(seen).most_common(3)
 
 
@@ -110,19 +119,19 @@ def test_every_iterator_started_in_the_window_takes_the_position_and_none_after_
         assert first_records(first, 6) == first_records(second, 6) == fresh[RECORDS // 2:][:6]
         fit_start.close()
         assert first_records(validation, 6) == fresh[:6]
-    assert fit_start.training_layout() == (2, GLOBAL_BATCH)
+    assert fit_start.training_layout() == (2, GLOBAL_BATCH, epochs.SPLIT)
 
 
 @pytest.mark.parametrize("why, options, steps_per_epoch, earlier", [
     ("only with tfrecord_dataset\\(seed=...\\)", {"seed": None}, STEPS, 3),
     ("not one pass over the 96 records", {}, STEPS - 1, 3),
-    ("its 4 workers' shares of it differ \\(16 to 32 records", {}, STEPS, 4),  # 6 files of 16 over 4
 ])
 def test_a_resume_that_cannot_be_exact_says_why(shards, why, options, steps_per_epoch, earlier):
     dataset = pipeline(shards[6], 0, 2, **options)
     with pytest.warns(UserWarning, match=f"resumed at step 3 of epoch 2 may read some records of that epoch twice "
                                          f"and others not at all: .*{why}"):
-        with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((earlier, 3),)), steps_per_epoch)):
+        resume = fit_start.Resume(1, 3, ((earlier, 3, GLOBAL_BATCH, epochs.SPLIT),))
+        with fit_start.opened(fit_start.Start(resume, steps_per_epoch)):
             first_records(dataset, 12)
 
 
@@ -146,7 +155,7 @@ def test_a_changed_global_batch_reads_the_records_not_read_yet_and_says_the_epoc
             tf.random.set_seed(worker)
             dataset = data.tfrecord_dataset(pattern, batch_size=24, input_context=tf.distribute.InputContext(
                 2, worker, 2), repeat=True, seed=5, features=["label"])
-            with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, 12),)), RECORDS // 24)):
+            with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, 12, epochs.SPLIT),)), RECORDS // 24)):
                 rest += first_records(dataset, 3 * per_step + 30)[3 * per_step:]
     assert sorted(read + rest) == list(range(RECORDS))
 
@@ -186,7 +195,7 @@ def test_a_restarted_fit_from_a_given_initial_epoch_trains_each_record_once(shar
     with pytest.raises(RuntimeError, match="killed"):
         fit(counter_model(), [DieAt(initial_epoch, 3)])
     metadata = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
-    assert metadata["data_layouts_in_epoch"] == [[1, 3, GLOBAL_BATCH]]
+    assert metadata["data_layouts_in_epoch"] == [[1, 3, GLOBAL_BATCH, "parts"]]
     model = counter_model()
     fit(model, [])
     times = collections.Counter(np.round(-model.get_weights()[0][:, 0] * GLOBAL_BATCH, 4).tolist())
@@ -246,3 +255,52 @@ def test_a_repeating_dataset_passed_to_fit_without_distribute_can_be_auto_sharde
     dataset = data.tfrecord_dataset(shards[6], batch_size=6, repeat=True, seed=5, features=["label"])
     halves = [first_records(tf_distribute._AutoShardDataset(dataset, 2, index), 48) for index in (0, 1)]
     assert sorted(halves[0] + halves[1]) == list(range(RECORDS))
+
+
+def write_unequal_shards(directory, sizes):
+    """Records 0, 1, ... (``label``) in one file per size: ``data-0000i-of-0000n.tfrecord``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    first = 0
+    for index, size in enumerate(sizes):
+        with tf.io.TFRecordWriter(str(directory / f"data-{index:05d}-of-{len(sizes):05d}.tfrecord")) as writer:
+            for label in range(first, first + size):
+                writer.write(tf.train.Example(features=tf.train.Features(feature={"label": tf.train.Feature(
+                    int64_list=tf.train.Int64List(value=[label]))})).SerializeToString())
+        first += size
+    return str(directory / "data-*.tfrecord")
+
+
+ISSUE_RECORDS, ISSUE_BATCH = 120, 12  # the issue's 120 records; 10 steps of 12 an epoch (2 and 3 divide 12)
+
+
+@pytest.mark.parametrize("sizes", [[24] * 5, [5, 30, 8, 22, 17, 26, 12]], ids=["5_shards", "7_unequal_shards"])
+def test_a_job_preempted_on_2_workers_and_resumed_on_3_trains_every_record_once_per_epoch(tmp_path, sizes):
+    """Issue 49: SIGTERM to `tfdist run -n 2` in epoch 1 (exit 85), then the same command with -n 3, 3 epochs: with
+    5 shards records were trained 1, 2, 3 and 4 times (the workers' shares of an epoch differed: 3 files and 2)."""
+    if len(set(sizes)) == 1:
+        pattern = data.write_tfrecords({"label": np.arange(ISSUE_RECORDS)}, str(tmp_path / "shards"),
+                                       num_shards=len(sizes)).pattern
+    else:
+        pattern = write_unequal_shards(tmp_path / "shards", sizes)
+    job = tmp_path / "job"
+    for workers, stop in ((2, "1:4"), (3, "-")):
+        result = run_job("resume_records_job.py", job, pattern, str(ISSUE_RECORDS), str(ISSUE_BATCH), stop, "3", "3",
+                         "sigterm", num_workers=workers, timeout=300)
+        if stop != "-":
+            assert result.returncode == 85, result.output[-3000:]
+    result.check()
+    assert sorted(result.results) == [0, 1, 2]
+    for rank, found in result.results.items():
+        times = collections.Counter(round(-row * ISSUE_BATCH, 4) for row in found["rows"])
+        assert times == {3.0: ISSUE_RECORDS}, (rank, times)
+
+
+def test_a_backup_whose_runs_split_the_epoch_another_way_says_so(shards):
+    """A backup written by a tfdist before equal parts records runs of 3 fields: their workers read whole files
+    (every N-th of the epoch's order), so the replay of them with today's split would name other records."""
+    dataset = pipeline(shards[6], 0, 3)
+    with pytest.warns(UserWarning, match=r"resumed at step 3 of epoch 2 may read some records of that epoch twice "
+                                         r"and others not at all: its earlier runs split the epoch's records another "
+                                         r"way \(a backup of an older tfdist\)"):
+        with fit_start.opened(fit_start.Start(fit_start.Resume(1, 3, ((2, 3, GLOBAL_BATCH),)), STEPS)):
+            first_records(dataset, 12)

@@ -57,7 +57,7 @@ class ConvertError(DataError):
 
 
 class ShardingWarning(UserWarning):
-    """Fewer files than input pipelines: each pipeline reads every file (record-level sharding)."""
+    """Fewer files than input pipelines: each pipeline reads a run of records of one or two files."""
 
 
 class BenchError(ValueError, TfdistError):

@@ -5,8 +5,8 @@ pipeline counts that did them) into the fit's session (``tfdist.preemption.resum
 start has one too (its first epoch). When the fit enumerates its first training epoch,
 ``tfdist.keras_fixes.callbacks`` opens a window (``opened``) until its first batch ends (``close``); a
 repeating ``tfrecord_dataset`` whose iterator starts in it takes the position (``take``) and starts there,
-and tells which pipeline count and global batch train now (``training_layout``), which the next backup
-records. Standard library only (``tfdist.data.epochs`` works out the records).
+and tells which pipeline count, global batch and split of the epoch train now (``training_layout``), which the
+next backup records. Standard library only (``tfdist.data.epochs`` works out the records).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Iterator
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """A fit's start: ``epoch`` (Keras' count), ``steps`` of it done before, and ``layouts``: for each run that
-    trained part of it, ``(input pipelines, steps done when it stopped, global batch)``, in order (empty:
-    unknown; a backup of 2026-11-28 wrote no global batch)."""
+    trained part of it, ``(input pipelines, steps done when it stopped, global batch, split)``, in order (empty:
+    unknown; split: how the dataset cut an epoch among its pipelines; older backups wrote fewer fields)."""
 
     epoch: int
     steps: int = 0
@@ -39,7 +39,7 @@ class Start:
 
 _lock = threading.Lock()
 _open: Start | None = None
-_training: tuple[int, int] | None = None
+_training: tuple[int, int, str] | None = None
 
 
 @contextlib.contextmanager
@@ -63,18 +63,19 @@ def close() -> None:
             _open = None
 
 
-def take(pipelines: int, global_batch: int) -> Start | None:
-    """The open window's start (None when none is open); ``pipelines`` and ``global_batch``: the taker's. Every
+def take(pipelines: int, global_batch: int, split: str) -> Start | None:
+    """The open window's start (None when none is open); ``pipelines``, ``global_batch`` and ``split`` (how it cuts
+    an epoch among pipelines): the taker's. Every
     iterator that starts in the window takes it: the training data's (one per input pipeline of this process,
     or datasets zipped together), which the first step pulls."""
     global _training
     with _lock:
         if _open is not None:
-            _training = (pipelines, global_batch)
+            _training = (pipelines, global_batch, split)
         return _open
 
 
-def training_layout() -> tuple[int, int] | None:
-    """``(input pipelines, global batch)`` of the dataset training in the current fit (None: not a tfdist
+def training_layout() -> tuple[int, int, str] | None:
+    """``(input pipelines, global batch, split)`` of the dataset training in the current fit (None: not a tfdist
     reader)."""
     return _training

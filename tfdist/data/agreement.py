@@ -1,20 +1,22 @@
 """What the workers of a job agree on about their data: store keys per call, and the files they list.
 
 ``write_tfrecords`` and ``tfrecord_dataset`` run on every worker, and their workers talk through the job's
-key-value store (``tfdist.kvstore``). ``call_key`` names one call's entries: the kind of call, a hash of the
-arguments that every worker passes alike, the job's attempt (``TFDIST_RESTART``), and how many calls with the
-same ones this process made before. So the n-th call with some arguments is one call on every worker: a second
-``fit`` that rebuilds its dataset, or a dataset with an overlapping pattern, never reads another's entries.
+key-value store (``tfdist.kvstore``). ``call_key`` names one call's entries by what every worker has alike: the
+kind of call, the job's attempt (``TFDIST_RESTART``) and how many calls of that kind this process made before.
+So the n-th call is one call on every worker (a second ``fit`` that rebuilds its dataset, or datasets whose
+patterns overlap, never read another's entries), and a worker whose call differs from its peers' meets them
+anyway and is told how: a key made of what is checked (the patterns, the files, the arguments) would find no
+peer, and every worker would wait out the hang timeout.
 
-``check_same_files`` (issue 43): keyed by ``pattern_key`` (the patterns' last parts: workers may reach the
-files by other paths), before a dataset sharded over the workers reads anything, every worker
-publishes a digest of the files it lists (names relative to the pattern's directory, and record counts) and
+``check_same_files`` (issues 43, 49): before a dataset sharded over the workers reads anything, every worker
+publishes a digest of the files it lists (names relative to the patterns' directory, and record counts) and
 reads its peers'. Equal digests end it: one small entry per worker. When they differ, every worker publishes
 its whole list, and every worker raises the same DataError, naming the workers and the files that differ. A
 worker that could not list its files (none match, a damaged file) publishes that instead, and its peers stop
-at once too. A peer that does not publish within the hang timeout (``TFDIST_HANG_TIMEOUT``, 600 s by default) is an error too.
-The store is out of band: no collective runs while the job's strategy may run its own, and a wait has a
-deadline. Worker 0 holds the store, so it raises last, once its peers have read its list (or a few seconds).
+at once too. A peer that does not publish within the hang timeout (``TFDIST_HANG_TIMEOUT``, 600 s by default)
+is an error too. The store is out of band: no collective runs while the job's strategy may run its own, and a
+wait has a deadline. Worker 0 holds the store, so it raises last, once its peers have read its list (or a few
+seconds).
 """
 
 from __future__ import annotations
@@ -33,30 +35,30 @@ from tfdist.data.records import DataError
 
 ENV_ATTEMPT = "TFDIST_RESTART"  # the job's attempt: tfdist run sets it (tfdist.launch.local.ENV_RESTART)
 _LEAVE_LAST_S = 10.0  # how long worker 0 waits for its peers to have read its list before it raises
-_FAILED = "failed: "  # a digest entry saying that this worker could not list its files, and why
 _SHOWN = 3  # files named per difference, and workers described, before "and N more"
-# This process's calls so far, per store key of their arguments: the n-th call with the same arguments is one call
-# on every worker.
+_SHOWN_NAMES = 4  # a list of patterns longer than this is shown by its first and last
+# This process's calls so far, per kind: the n-th call of a kind is one call on every worker.
 _calls: collections.Counter = collections.Counter()
 
 FileList = Sequence[Sequence]  # [(name, records), ...] sorted by name
 
 
-def call_key(kind: str, arguments: list, env: Mapping[str, str] | None = None) -> str:
-    """The store key of this call: ``tfdist/data/KIND/<hash of arguments and attempt>/<n>``, n counting this
-    process's calls with the same ones (1 for the first)."""
+def call_key(kind: str, env: Mapping[str, str] | None = None) -> str:
+    """The store key of this call: ``tfdist/data/KIND/<attempt>/<n>``, n counting this process's calls of
+    ``kind`` (1 for the first)."""
     attempt = (os.environ if env is None else env).get(ENV_ATTEMPT, "0")
-    digest = hashlib.sha256(json.dumps([kind, attempt, arguments], default=str).encode()).hexdigest()[:16]
-    _calls[kind, digest] += 1
-    return f"tfdist/data/{kind}/{digest}/{_calls[kind, digest]}"
+    _calls[kind] += 1
+    return f"tfdist/data/{kind}/{attempt}/{_calls[kind]}"
 
 
-def pattern_key(file_pattern) -> list[str]:
-    """What of ``file_pattern`` keys a dataset's exchange: each pattern's last part (after its last "/"), sorted.
-    Workers that mount the files at other places, list them from another working directory, or give the patterns
-    in another order meet under one key; datasets whose patterns end alike are told apart by their build count."""
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
-    return sorted(str(pattern).rstrip("/").rsplit("/", 1)[-1] for pattern in patterns)
+def shown(file_pattern) -> str:
+    """``file_pattern`` as messages show it: a long list by its first two and last names and its length."""
+    if isinstance(file_pattern, str):
+        return repr(file_pattern)
+    names = [str(name) for name in file_pattern]
+    if len(names) <= _SHOWN_NAMES:
+        return repr(names)
+    return f"[{names[0]!r}, {names[1]!r}, ..., {names[-1]!r}] ({len(names)} names)"
 
 
 def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
@@ -75,13 +77,13 @@ def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
     return [path[len(base) + 1:] if base and path.startswith(base + "/") else path for path in paths]
 
 
-def check_same_files(file_pattern, files: FileList | Exception, rank: int, size: int,
+def check_same_files(source: str, files: FileList | Exception, rank: int, size: int,
                      timeout_s: float | None = None) -> None:
     """Raises on every worker unless every worker of the job lists the same ``files`` for this dataset.
 
     Args:
-        file_pattern: the dataset's ``file_pattern`` as the caller gave it (it keys the exchange, and is shown).
-        files: this worker's ``(name, records)`` pairs, names relative to the pattern's directory, sorted; or the
+        source: the dataset's ``file_pattern`` as messages show it (``shown``); it may differ per worker.
+        files: this worker's ``(name, records)`` pairs, names relative to the patterns' directory, sorted; or the
             error that listing them raised here (published so that the peers stop at once; the caller re-raises).
         rank: this worker's rank; size: the job's worker count.
         timeout_s: how long to wait for the peers; None: the hang timeout (its default when turned off).
@@ -93,39 +95,49 @@ def check_same_files(file_pattern, files: FileList | Exception, rank: int, size:
     if size < 2 or not kvstore.available():
         return
     timeout_s = timeout_s if timeout_s is not None else (watchdog.timeout_from_env() or watchdog.DEFAULT_HANG_TIMEOUT)
-    base = call_key("tfrecord_dataset", pattern_key(file_pattern))
+    base = call_key("tfrecord_dataset")  # the n-th sharded dataset of this attempt, never what is checked
     if isinstance(files, Exception):
-        kvstore.put(f"{base}/digest/{rank}", f"{_FAILED}{type(files).__name__}: {files}")
+        kvstore.put(f"{base}/digest/{rank}", json.dumps({"source": source,
+                                                         "failed": f"{type(files).__name__}: {files}"}))
         if rank == 0:  # it holds the store: its peers read the failure first (or a few seconds pass)
-            deadline = time.monotonic() + min(timeout_s, _LEAVE_LAST_S)
-            for peer in range(1, size):
-                kvstore.wait_for(f"{base}/digest/{peer}", deadline)
+            _wait_for_peers(base, "digest", size, timeout_s)
         return
     files = [[name, int(count)] for name, count in files]
-    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
-    kvstore.put(f"{base}/digest/{rank}", digest)
-    digests = _gather(base, "digest", rank, size, digest, timeout_s, file_pattern)
+    mine = json.dumps({"source": source, "digest": hashlib.sha256(json.dumps(files).encode()).hexdigest()})
+    kvstore.put(f"{base}/digest/{rank}", mine)
+    digests = {peer: json.loads(value) for peer, value in _gather(base, "digest", rank, size, mine, timeout_s,
+                                                                   source).items()}
     for peer, value in sorted(digests.items()):
-        if value.startswith(_FAILED):
-            raise DataError(f"tfrecord_dataset(file_pattern={file_pattern!r}): worker {peer} could not list its "
-                            f"files ({value[len(_FAILED):]}), so worker {rank} stops too; worker {peer}'s output "
-                            "says more.")
-    if len(set(digests.values())) == 1:
+        if "failed" in value:
+            raise DataError(f"tfrecord_dataset(file_pattern={source}): worker {peer} could not list its files "
+                            f"({value['failed']}), so worker {rank} stops too; worker {peer}'s output says more.")
+    if len({value["digest"] for value in digests.values()}) == 1:
         return
-    kvstore.put(f"{base}/files/{rank}", _pack(files))
     lists = {peer: _unpack(value) for peer, value in
-             _gather(base, "files", rank, size, _pack(files), timeout_s, file_pattern).items()}
+             _gather(base, "files", rank, size, _published(base, rank, files), timeout_s, source).items()}
     kvstore.put(f"{base}/read/{rank}", "1")
     if rank == 0:  # it holds the store: once it exits, a peer still reading would find nothing
-        deadline = time.monotonic() + min(timeout_s, _LEAVE_LAST_S)
-        for peer in range(1, size):
-            kvstore.wait_for(f"{base}/read/{peer}", deadline)
-    raise DataError(differences(file_pattern, lists) or (
-        f"tfrecord_dataset(file_pattern={file_pattern!r}): the workers' file lists hash differently but read the "
-        "same; report this to tfdist."))
+        _wait_for_peers(base, "read", size, timeout_s)
+    sources = {peer: value["source"] for peer, value in digests.items()}
+    raise DataError(differences(sources, lists) or (
+        f"tfrecord_dataset(file_pattern={source}): the workers' file lists hash differently but read the same; "
+        "report this to tfdist."))
 
 
-def _gather(base: str, what: str, rank: int, size: int, mine: str, timeout_s: float, file_pattern) -> dict[int, str]:
+def _published(base: str, rank: int, files: FileList) -> str:
+    value = _pack(files)
+    kvstore.put(f"{base}/files/{rank}", value)
+    return value
+
+
+def _wait_for_peers(base: str, what: str, size: int, timeout_s: float) -> None:
+    """Worker 0, which holds the store: until every peer wrote ``base/what/<peer>``, or a few seconds."""
+    deadline = time.monotonic() + min(timeout_s, _LEAVE_LAST_S)
+    for peer in range(1, size):
+        kvstore.wait_for(f"{base}/{what}/{peer}", deadline)
+
+
+def _gather(base: str, what: str, rank: int, size: int, mine: str, timeout_s: float, source: str) -> dict[int, str]:
     """Every worker's ``base/what/<rank>``, this worker's being ``mine``.
 
     Raises:
@@ -142,23 +154,23 @@ def _gather(base: str, what: str, rank: int, size: int, mine: str, timeout_s: fl
     if missing:
         build = base.rsplit("/", 1)[1]
         raise DataError(
-            f"tfrecord_dataset(file_pattern={file_pattern!r}): worker {rank} waited {timeout_s:g} s for worker(s) "
-            f"{missing} to list their files for this dataset (build {build} of it in this process), to check that "
-            "every worker reads the same files. Every worker must build the same datasets with the same file_pattern "
-            "in the same order (a dataset built on some workers only, or more often on some, never meets its "
-            f"peers); a worker busy elsewhere for that long looks the same (TFDIST_HANG_TIMEOUT sets the wait).")
+            f"tfrecord_dataset(file_pattern={source}): worker {rank} waited {timeout_s:g} s for worker(s) {missing} "
+            f"to list their files for this dataset (sharded dataset {build} of this process), to check that every "
+            "worker reads the same files. Every worker must build the same sharded datasets in the same order (a "
+            "dataset built on some workers only, or more often on some, never meets its peers); a worker busy "
+            "elsewhere for that long looks the same (TFDIST_HANG_TIMEOUT sets the wait).")
     return found
 
 
-def differences(file_pattern, lists: Mapping[int, FileList]) -> str | None:
+def differences(sources: Mapping[int, str], lists: Mapping[int, FileList]) -> str | None:
     """The error message for workers whose file lists differ from worker 0's (None when none does).
 
     Args:
-        file_pattern: the dataset's pattern, as shown.
+        sources: each worker's ``file_pattern``, as shown (``shown``).
         lists: each worker's ``(name, records)`` pairs.
     """
     reference = {name: count for name, count in lists[0]}
-    told = []
+    told, other_sources = [], []
     for rank in sorted(lists):
         theirs = {name: count for name, count in lists[rank]}
         if rank == 0 or theirs == reference:
@@ -170,16 +182,21 @@ def differences(file_pattern, lists: Mapping[int, FileList]) -> str | None:
         parts = ([f"worker {rank} does not see {_some(missing)}"] if missing else []) + (
             [f"worker {rank} sees {_some(extra)}, which worker 0 does not"] if extra else []) + (
             [f"worker {rank} counts {_some(recount)}"] if recount else [])
-        told.append(f"worker {rank} lists {len(theirs)} files ({sum(theirs.values())} records), worker 0 lists "
-                    f"{len(reference)} ({sum(reference.values())} records): " + "; ".join(parts))
+        elsewhere = not set(theirs) & set(reference)  # nothing alike: maybe another dataset altogether
+        given = f" (from file_pattern={sources[rank]})" if elsewhere and sources[rank] != sources[0] else ""
+        other_sources += [rank] if given else []
+        told.append(f"worker {rank}{given} lists {len(theirs)} files ({sum(theirs.values())} records), worker 0 "
+                    f"lists {len(reference)} ({sum(reference.values())} records): " + "; ".join(parts))
     if not told:
         return None
     more = f"; and {len(told) - _SHOWN} more worker(s) differ from worker 0" if len(told) > _SHOWN else ""
-    return (f"tfrecord_dataset(file_pattern={file_pattern!r}) lists other files on some workers, so the workers "
-            f"would not read every record once: {'; '.join(told[:_SHOWN])}{more}. A shared filesystem that lags (NFS "
-            "attribute caching, an object store's listing) or files listed before their writer finished show workers "
-            "different files: build the dataset once the writer has finished (write_tfrecords, called on every "
-            "worker, returns only then), on a filesystem that shows every worker the same files.")
+    order = (f" Worker(s) {other_sources} list no file that worker 0 lists: if that is another dataset, build the "
+             "same sharded datasets in the same order on every worker." if other_sources else "")
+    return (f"tfrecord_dataset(file_pattern={sources[0]}) lists other files on some workers, so the workers would "
+            f"not read every record once: {'; '.join(told[:_SHOWN])}{more}.{order} A shared filesystem that lags "
+            "(NFS attribute caching, an object store's listing) or files listed before their writer finished show "
+            "workers different files: build the dataset once the writer has finished (write_tfrecords, called on "
+            "every worker, returns only then), on a filesystem that shows every worker the same files.")
 
 
 def _some(items: list[str]) -> str:

@@ -1,16 +1,20 @@
-"""The records each input pipeline of a repeating ``tfrecord_dataset`` reads, epoch by epoch, and where it starts.
+"""The records each input pipeline of a ``tfrecord_dataset`` reads, epoch by epoch, and where it starts.
 
-An epoch: the files in the epoch's order (a stateless permutation of ``(seed, epoch)``); pipeline p of N
-takes every N-th file of it (every N-th record of each file when there are fewer files than pipelines),
-reads them interleaved, and shuffles the records through a buffer seeded by ``(seed, epoch, p, N)`` alone.
-With ``seed`` given (and reading kept in order), a pipeline's order is a pure function of those, whatever
-the process's own random state: another process, with another worker count, can tell which records a
-pipeline had read after k of them, by running the same pipeline on record numbers (``consumed``).
+An epoch: the files in the epoch's order (a stateless permutation of ``(seed, epoch)``), their records one
+after another in that order, cut into N contiguous parts whose sizes differ by one record at most (``bounds``):
+pipeline p of N reads part p, whole files where the part holds them and a run of records of the one or two files
+it shares with its neighbours (``parts``; it skips the records before its run), interleaved, and shuffles the
+records through a buffer seeded by ``(seed, epoch, p, N)`` alone. So every worker's share of an epoch is
+equal (to one record) whatever the number of files and records per file: with an epoch of ``steps_per_epoch``
+global batches, no worker starts its next epoch while another still reads this one. With ``seed`` given (and
+reading kept in order), a pipeline's order is a pure function of those, whatever the process's own random state:
+another process, with another worker count, can tell which records a pipeline had read after k of them, by
+running the same pipeline on record numbers (``consumed``).
 
 Where a fit starts (``tfdist.fit_start``): a fit resumed at epoch E of a backup reads data epoch E
 (each epoch of the fit is one pass over the records: ``steps_per_epoch`` times the global batch). Resumed
 mid-epoch, it first reads the rest of that epoch: the records no earlier run of the epoch read, in the
-epoch's file order, cut into N contiguous parts of one size, part p for pipeline p, shuffled; before them
+epoch's file order, cut into N contiguous parts the same way, part p for pipeline p, shuffled; before them
 come ``done steps x records per step`` copies of one record, which the fit consumes without training (it
 skips its done steps' batches). So every record of the epoch is trained on once, whichever worker counts
 trained it. Then epochs E + 1, ... as usual.
@@ -30,6 +34,7 @@ _MAX_OPEN_FILES = 16
 _GRAPH_SEED = 20261128  # the seeded shuffles' graph-level seed, set in their own function graph only
 _EPOCH, _REST = 0, 1  # kinds of shuffle, so that an epoch's rest is ordered apart from a whole epoch
 _REPLAY_BATCH = 1 << 16
+SPLIT = "parts"  # how an epoch is cut among pipelines (``bounds``), as backups record it: older ones cut whole files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,48 +74,68 @@ def file_order(files: Files, epoch: tf.Tensor) -> tf.Tensor:
     return tf.cast(tf.argsort(keys, stable=True), tf.int64)
 
 
-def records(files: Files, pipeline: int, pipelines: int, keep: tf.Tensor | None = None):
-    """A function of a file's index to its records; with ``keep`` (a mask over all records' numbers), only
-    those it marks, whatever the pipelines."""
-    paths, counts, offsets = tf.constant(files.paths), tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
-    record_level = len(files.paths) < pipelines and keep is None
+def bounds(total: int, pipeline: int, pipelines: int) -> tuple[int, int]:
+    """Pipeline ``pipeline``'s run ``[first, stop)`` of ``total`` records cut into ``pipelines`` contiguous parts,
+    the first ``total % pipelines`` of them one record longer."""
+    size, extra = divmod(total, pipelines)
+    first = pipeline * size + min(pipeline, extra)
+    return first, first + size + (pipeline < extra)
 
-    def read(index):
-        count = tf.gather(counts, index)
-        found = tf.data.TFRecordDataset(tf.gather(paths, index)).take(count)
+
+def parts(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int) -> tf.data.Dataset:
+    """Pipeline ``pipeline``'s part of ``epoch``: ``(file, first, stop)`` for each file it reads (records
+    ``[first, stop)`` of it), in the epoch's file order."""
+    order = file_order(files, epoch)
+    counts = tf.gather(tf.constant(files.counts, tf.int64), order)
+    starts = tf.cumsum(counts, exclusive=True)  # each file's first record in the epoch's order
+    first, stop = bounds(files.total, pipeline, pipelines)
+    begin = tf.clip_by_value(first - starts, 0, counts)
+    end = tf.clip_by_value(stop - starts, 0, counts)
+    held = end > begin
+    return tf.data.Dataset.from_tensor_slices(
+        (tf.boolean_mask(order, held), tf.boolean_mask(begin, held), tf.boolean_mask(end, held)))
+
+
+def records(files: Files, keep: tf.Tensor | None = None):
+    """A function of ``(file, first, stop)`` to records ``[first, stop)`` of the file; with ``keep`` (a mask over
+    all records' numbers), only those it marks."""
+    paths, offsets = tf.constant(files.paths), tf.constant(files.offsets)
+
+    def read(index, first, stop):
+        found = tf.data.TFRecordDataset(tf.gather(paths, index)).skip(first).take(stop - first)
         if files.skip_corrupt:  # a damaged payload passes the header check: skip it as it is read, and log it
             found = found.ignore_errors(log_warning=True)
         if keep is not None:
-            first = tf.gather(offsets, index)
-            found = tf.data.Dataset.zip(tf.data.Dataset.range(first, first + count), found).filter(
+            number = tf.gather(offsets, index) + first
+            found = tf.data.Dataset.zip(tf.data.Dataset.range(number, number + stop - first), found).filter(
                 lambda number, record: tf.gather(keep, number)).map(lambda number, record: record)
-        return found.shard(pipelines, pipeline) if record_level else found
+        return found
     return read
 
 
-def numbers(files: Files, pipeline: int, pipelines: int, keep: tf.Tensor | None = None):
-    """A function of a file's index to its records' numbers: what ``records`` reads, without reading."""
-    counts, offsets = tf.constant(files.counts, tf.int64), tf.constant(files.offsets)
-    record_level = len(files.paths) < pipelines and keep is None
+def numbers(files: Files, keep: tf.Tensor | None = None):
+    """A function of ``(file, first, stop)`` to its records' numbers: what ``records`` reads, without reading."""
+    offsets = tf.constant(files.offsets)
 
-    def read(index):
-        first = tf.gather(offsets, index)
-        found = tf.range(first, first + tf.gather(counts, index))
+    def read(index, first, stop):
+        number = tf.gather(offsets, index)
+        found = tf.range(number + first, number + stop)
         if keep is not None:
             found = tf.boolean_mask(found, tf.gather(keep, found))  # a file at a time, not record by record
-        found = tf.data.Dataset.from_tensor_slices(found)
-        return found.shard(pipelines, pipeline) if record_level else found
+        return tf.data.Dataset.from_tensor_slices(found)
     return read
+
+
+def interleaved(runs: tf.data.Dataset, files: Files, read, ordered: bool) -> tf.data.Dataset:
+    """The records of ``runs`` (``(file, first, stop)`` each) through ``read``, files read in parallel."""
+    return runs.interleave(read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES),
+                           num_parallel_calls=tf.data.AUTOTUNE, deterministic=ordered)
 
 
 def unshuffled(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, read) -> tf.data.Dataset:
-    """Pipeline ``pipeline``'s elements of a whole ``epoch``, file by file (interleaved), before the record
-    shuffle; ``read``: ``records`` or ``numbers``."""
-    order = tf.data.Dataset.from_tensor_slices(file_order(files, epoch))
-    if len(files.paths) >= pipelines:
-        order = order.shard(pipelines, pipeline)
-    return order.interleave(read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES),
-                            num_parallel_calls=tf.data.AUTOTUNE, deterministic=files.ordered)
+    """Pipeline ``pipeline``'s elements of a whole ``epoch`` (``parts``), before the record shuffle; ``read``:
+    ``records`` or ``numbers``."""
+    return interleaved(parts(files, epoch, pipeline, pipelines), files, read, files.ordered)
 
 
 def epoch_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, read) -> tf.data.Dataset:
@@ -122,11 +147,10 @@ def epoch_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, 
 def rest_stream(files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int, touched: tf.Tensor,
                 read) -> tf.data.Dataset:
     """Pipeline ``pipeline``'s part of the rest of ``epoch`` (``rest_part``: the ``touched`` files' records that
-    its mask marks), shuffled; ``read``: ``records`` or ``numbers`` of ``(files, 0, 1, keep=mask)``."""
-    stream = tf.data.Dataset.from_tensor_slices(touched).interleave(
-        read, cycle_length=min(len(files.paths), _MAX_OPEN_FILES), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True)
-    return shuffled(stream, files, epoch, pipeline, pipelines, _REST)
+    its mask marks), shuffled; ``read``: ``records`` or ``numbers`` with ``keep=mask``."""
+    counts = tf.gather(tf.constant(files.counts, tf.int64), touched)
+    runs = tf.data.Dataset.from_tensor_slices((touched, tf.zeros_like(counts), counts))
+    return shuffled(interleaved(runs, files, read, True), files, epoch, pipeline, pipelines, _REST)
 
 
 def shuffled(stream: tf.data.Dataset, files: Files, epoch: tf.Tensor, pipeline: int, pipelines: int,
@@ -150,39 +174,30 @@ def rest_part(files: Files, epoch: int, pipeline: int, pipelines: int, consumed:
     order = file_order(files, tf.constant(epoch, tf.int64)).numpy()
     numbers_of = [np.arange(first, first + count) for first, count in zip(files.offsets, files.counts)]
     left = np.concatenate([numbers_of[f][~consumed[numbers_of[f]]] for f in order])
-    size, extra = divmod(len(left), pipelines)
-    first = pipeline * size + min(pipeline, extra)
+    first, stop = bounds(len(left), pipeline, pipelines)
     keep = np.zeros(files.total, bool)
-    keep[left[first:first + size + (pipeline < extra)]] = True
+    keep[left[first:stop]] = True
     touched = np.array([f for f in order if keep[numbers_of[f]].any()], np.int64)
     return touched, keep
 
 
-def shares(files: Files, epoch: int, pipelines: int) -> list[int]:
-    """How many records of ``epoch`` each of ``pipelines`` pipelines reads."""
-    if len(files.paths) < pipelines:  # every n-th record of each file
-        return [sum(len(range(p, count, pipelines)) for count in files.counts) for p in range(pipelines)]
-    order = file_order(files, tf.constant(epoch, tf.int64)).numpy()
-    return [int(sum(files.counts[f] for f in order[p::pipelines])) for p in range(pipelines)]
-
-
 def consumed(files: Files, epoch: int, layouts) -> np.ndarray:
-    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch)``
+    """A mask over all records' numbers: those the runs ``layouts`` (``(pipelines, steps done, global batch, ...)``
     each, the first from the epoch's start, each later one from its predecessor's rest) read of ``epoch``."""
     mask, done = np.zeros(files.total, bool), 0
-    for run, (pipelines, steps, global_batch) in enumerate(layouts):
+    for run, (pipelines, steps, global_batch, *_) in enumerate(layouts):
         read = mask.copy()
         per_step = global_batch // pipelines
         for pipeline in range(pipelines):
             if run == 0:
                 def stream(e, pipeline=pipeline, pipelines=pipelines):
-                    return epoch_stream(files, e, pipeline, pipelines, numbers(files, pipeline, pipelines))
+                    return epoch_stream(files, e, pipeline, pipelines, numbers(files))
             else:
                 touched, keep = rest_part(files, epoch, pipeline, pipelines, mask)
 
                 def stream(e, pipeline=pipeline, pipelines=pipelines, touched=touched, keep=keep):
                     return rest_stream(files, e, pipeline, pipelines, tf.constant(touched),
-                                       numbers(files, 0, 1, keep=tf.constant(keep)))
+                                       numbers(files, keep=tf.constant(keep)))
             taken = tf.data.Dataset.from_tensors(tf.constant(epoch, tf.int64)).flat_map(stream)
             taken = taken.take((steps - done) * per_step).batch(_REPLAY_BATCH)  # numbers to NumPy in bulk
             taken = np.concatenate([np.zeros([0], np.int64)] + list(taken.as_numpy_iterator()))
@@ -212,7 +227,7 @@ class Starts:
     def take(self):
         """The plan of this iterator, as the tensors the dataset's ``py_function`` returns (it runs as the
         iterator reads its first element)."""
-        start = fit_start.take(self.pipelines, self.global_batch)
+        start = fit_start.take(self.pipelines, self.global_batch, SPLIT)
         plan = Plan() if start is None else self._plan(start)
         keep = plan.keep if plan.keep is not None else np.zeros([0], bool)
         return np.int64(plan.epoch), np.int64(plan.filler), plan.touched, keep
@@ -231,18 +246,16 @@ class Starts:
         if not self.files.replayable:
             self._warn(resume, "which records the interrupted run read is known only with tfrecord_dataset(seed=...) "
                                "(and deterministic left None or True); it skips as many records as were read")
-        layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch)
-                        for run in resume.layouts or ((self.pipelines, resume.steps),))
-        sizes = shares(self.files, resume.epoch, layouts[0][0])
-        if len(set(sizes)) > 1:
-            self._warn(resume, f"its {layouts[0][0]} workers' shares of it differ ({min(sizes)} to {max(sizes)} "
-                               "records: files of unequal sizes, or not a multiple of the workers), so a worker "
-                               "went on into its next epoch while another had records of this one left")
+        known = resume.layouts or ((self.pipelines, resume.steps, self.global_batch, SPLIT),)
+        layouts = tuple((run[0], run[1], run[2] if len(run) > 2 else self.global_batch,
+                         run[3] if len(run) > 3 else None) for run in known)
+        if any(run[3] != SPLIT for run in layouts):
+            self._warn(resume, "its earlier runs split the epoch's records another way (a backup of an older tfdist)")
         if any(run[2] != self.global_batch for run in layouts):
             self._warn(resume, f"its steps were of a global batch of {layouts[-1][2]}, this fit's are of "
                                f"{self.global_batch}; it reads the records not read yet, but its epoch ends by "
                                "steps, not by records")
-        if layouts == ((self.pipelines, resume.steps, self.global_batch),):
+        if layouts == ((self.pipelines, resume.steps, self.global_batch, SPLIT),):
             return Plan(epoch=resume.epoch)  # the fit skips its done steps' batches of this very epoch
         read = consumed(self.files, resume.epoch, layouts)
         touched, keep = rest_part(self.files, resume.epoch, self.pipeline, self.pipelines, read)
@@ -267,9 +280,9 @@ class Starts:
             resumed = tf.size(keep) > 0  # then the rest of ``epoch`` (no file is touched otherwise)
             skipped = tf.data.TFRecordDataset(files.paths[0]).take(1).repeat(filler)
             rest = tf.data.Dataset.from_tensors(epoch).flat_map(
-                lambda e: rest_stream(files, e, pipeline, pipelines, touched, records(files, 0, 1, keep=keep)))
+                lambda e: rest_stream(files, e, pipeline, pipelines, touched, records(files, keep=keep)))
             whole = tf.data.Dataset.range(epoch + tf.cast(resumed, tf.int64), end).flat_map(
-                lambda e: epoch_stream(files, e, pipeline, pipelines, records(files, pipeline, pipelines)))
+                lambda e: epoch_stream(files, e, pipeline, pipelines, records(files)))
             return skipped.concatenate(rest).concatenate(whole)
         options = tf.data.Options()  # tf.distribute's auto-shard would read this one source as a list of 1 file
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA

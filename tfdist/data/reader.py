@@ -8,15 +8,17 @@ Which worker reads which record depends only on what every worker shares: the fi
 list, the pipeline's ``seed`` and the epoch number. The file order of epoch ``e`` is a
 stateless permutation seeded by ``(seed, e)``, so it is the same on every worker
 whatever global seed each process set (``tf.random.set_seed(100 + rank)`` is a common
-idiom); shards of one order are disjoint, and a fresh order each epoch still covers
-every file once. With ``seed`` given, the record shuffle inside a shard is a function of
+idiom); the epoch's records, in that order, are cut into one contiguous part per input
+pipeline, of sizes that differ by one record at most, whatever the number of files and
+their sizes (``tfdist.data.epochs``). With ``seed`` given, the record shuffle inside a part is a function of
 ``(seed, epoch, pipeline, pipelines)`` too (``tfdist.data.epochs``), so a fit resumed
 mid-epoch, on any worker count, can read exactly the records its interrupted run had not;
 without, it and augmentation use the process's own random state.
 
-Sharding is file-level when there are at least as many files as input pipelines
-(each pipeline reads whole files) and record-level otherwise (each pipeline reads
-every file and keeps every n-th record of each, with a warning). Either way every
+A part holds whole files, and a run of records of the one or two files at its ends
+that it shares with its neighbours: the pipeline skips the records before its run (record
+headers are read, payloads not). With fewer files than pipelines, a part lies within one
+or two files, read with little parallelism (a warning says to write more files). Every
 record is read exactly once per epoch across all pipelines.
 
 Sharded over several workers, the dataset is built only once every worker lists the same
@@ -48,7 +50,7 @@ from tfdist.data import agreement, epochs, records
 from tfdist.data.records import DataError
 from tfdist.errors import ShardingWarning
 
-FilePattern = Union[str, Sequence[str]]
+FilePattern = Union[str, Sequence[str], tf.data.Dataset]
 # The file-order seed when none is given: a constant, so all workers agree without talking.
 _DEFAULT_FILE_SEED = 20261122
 # File caches this process has handed out: a lock file found before the first hand-out is stale.
@@ -65,7 +67,9 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     """A batched dataset of parsed, decoded records from TFRecord files.
 
     Args:
-        file_pattern: a glob pattern (``"out/data-*.tfrecord"``) or a list of them.
+        file_pattern: a glob pattern (``"out/data-*.tfrecord"``), a list of patterns or file names (a name
+            without glob characters must exist), or a ``tf.data.Dataset`` of file names
+            (``tf.data.Dataset.list_files``); the order does not matter (the files are sorted).
         batch_size: with ``input_context``, the GLOBAL batch, split evenly over the
             replicas; without, the batch this dataset yields.
         features: None reads every feature the records hold (what ``write_tfrecords``
@@ -114,24 +118,30 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     Raises:
         FileNotFoundError: ``file_pattern`` matches no file.
         DataError: a damaged or non-TFRecord file (unless ``skip_corrupt``), a feature
-            missing from the records, or a bad batch size or argument; on every worker,
+            missing from the records, fewer records than input pipelines with ``repeat``,
+            or a bad batch size or argument; on every worker,
             workers that list other files (naming them), or a peer that did not list its
             files within the hang timeout.
     """
     batch = per_pipeline_batch_size(batch_size, input_context)
     _check_arguments(shuffle_buffer, image_size, repeat, seed, cache)
     pipelines = input_context.num_input_pipelines if input_context else 1
-    paths, counts = _listed_alike_on_every_worker(file_pattern, skip_corrupt, pipelines)
+    patterns = _patterns(file_pattern)
+    source = agreement.shown(file_pattern if isinstance(file_pattern, (str, list, tuple)) else sorted(patterns))
+    paths, counts = _listed_alike_on_every_worker(patterns, source, skip_corrupt, pipelines)
+    if repeat and sum(counts) < pipelines:  # a pipeline with no record would look for one epoch after epoch
+        raise DataError(f"file_pattern={source} holds {sum(counts)} record(s), fewer than the {pipelines} input "
+                        "pipelines: with repeat, every pipeline needs one at least. Write more records, or read with "
+                        "fewer workers.")
     _warn_if_record_level(len(paths), pipelines)
     ordered = (seed is not None or not shuffle) if deterministic is None else deterministic
     files = epochs.Files(tuple(paths), tuple(counts), _DEFAULT_FILE_SEED if seed is None else seed, seed is not None,
                          shuffle, shuffle_buffer, ordered, skip_corrupt)
     pipeline_id = input_context.input_pipeline_id if input_context else 0
     if cache or not repeat:  # the same files every epoch (a cache replays the first), records reshuffled
-        dataset = epochs.unshuffled(files, tf.constant(0, tf.int64), pipeline_id, pipelines,
-                                    epochs.records(files, pipeline_id, pipelines))
+        dataset = epochs.unshuffled(files, tf.constant(0, tf.int64), pipeline_id, pipelines, epochs.records(files))
         if cache:
-            settings = [counts, files.seed, shuffle, skip_corrupt]
+            settings = [counts, files.seed, shuffle, skip_corrupt, epochs.SPLIT]  # never a cache of another split
             dataset = dataset.cache("" if cache is True else _cache_path(cache, pipeline_id, pipelines, paths, settings))
         dataset = dataset.shuffle(shuffle_buffer, seed=seed) if shuffle else dataset
         if repeat:
@@ -152,9 +162,10 @@ def distribute(strategy: tf.distribute.Strategy | None,
 
     TensorFlow calls ``dataset_fn(input_context)`` on each worker and does no sharding
     of its own: pass the context on to ``tfrecord_dataset(..., input_context=ctx)``,
-    which shards the files and splits the global ``batch_size`` per replica. Workers
-    can hold a file more or fewer than each other in an epoch, so train with
-    ``repeat=True`` and ``steps_per_epoch``, which keeps their steps in lock-step::
+    which gives each worker an equal part of every epoch (to one record) and splits the
+    global ``batch_size`` per replica. Train with ``repeat=True`` and ``steps_per_epoch``,
+    which keeps the workers' steps in lock-step (a part one record longer, or a last
+    partial batch, would otherwise give one worker a step more)::
 
         dataset = tfdist.data.distribute(strategy, lambda ctx: tfdist.data.tfrecord_dataset(
             "shards/train-*.tfrecord", batch_size=256, input_context=ctx, repeat=True))
@@ -224,12 +235,44 @@ def _check_arguments(shuffle_buffer: int, image_size, repeat, seed, cache) -> No
         raise DataError(f"cache must be False, True (memory) or a file path prefix: received cache={cache!r}.")
 
 
-def _list_files(file_pattern: FilePattern) -> list[str]:
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
-    paths = sorted({path for pattern in patterns for path in tf.io.gfile.glob(pattern)
-                    if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path)})
+def _patterns(file_pattern) -> list[str]:
+    """The patterns (or file names) that ``file_pattern`` gives: a str, a sequence of them, or a
+    ``tf.data.Dataset`` of file names (``tf.data.Dataset.list_files``).
+
+    Raises:
+        DataError: anything else, or a dataset that is endless or holds other than scalar strings.
+    """
+    if isinstance(file_pattern, (str, os.PathLike)):
+        return [os.fspath(file_pattern)]
+    if isinstance(file_pattern, tf.data.Dataset):
+        spec = file_pattern.element_spec
+        if not (isinstance(spec, tf.TensorSpec) and spec.dtype == tf.string and spec.shape.rank == 0):
+            raise DataError(f"file_pattern as a tf.data.Dataset must yield file names (scalar strings, as "
+                            f"tf.data.Dataset.list_files does): received one of {spec}.")
+        if file_pattern.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise DataError("file_pattern is an endless tf.data.Dataset of file names (a repeat?): pass the files "
+                            "once; repeat=True repeats the records.")
+        return [name.decode() for name in file_pattern.as_numpy_iterator()]
+    patterns = list(file_pattern) if isinstance(file_pattern, (list, tuple)) else None
+    if not patterns or not all(isinstance(pattern, (str, os.PathLike)) for pattern in patterns):
+        raise DataError(f"file_pattern must be a glob pattern, a non-empty list of patterns or file names, or a "
+                        f"tf.data.Dataset of file names: received file_pattern={file_pattern!r}.")
+    return [os.fspath(pattern) for pattern in patterns]
+
+
+def _list_files(patterns: list[str], source: str) -> list[str]:
+    """The files ``patterns`` match (a name without glob characters must exist); ``source``: how messages show
+    them."""
+    paths = set()
+    for pattern in patterns:
+        found = tf.io.gfile.glob(pattern) or ([pattern] if tf.io.gfile.exists(pattern) else [])  # "a[1].tfrecord"
+        if not found and not any(c in pattern for c in "*?["):
+            raise FileNotFoundError(f"file_pattern={source} names {pattern!r}, which does not exist.")
+        paths.update(path for path in found
+                     if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path))
+    paths = sorted(paths)
     if not paths:
-        raise FileNotFoundError(f"file_pattern={file_pattern!r} matches no file. Check the directory; shards from "
+        raise FileNotFoundError(f"file_pattern={source} matches no file. Check the directory; shards from "
                                 "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
                                 "(pattern 'DIR/data-*.tfrecord').")
     _refuse_shards_being_written(paths)
@@ -269,30 +312,30 @@ def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], li
     return list(counts), list(counts.values())
 
 
-def _listed_alike_on_every_worker(file_pattern: FilePattern, skip_corrupt: bool,
+def _listed_alike_on_every_worker(patterns: list[str], source: str, skip_corrupt: bool,
                                   pipelines: int) -> tuple[list[str], list[int]]:
-    """``_readable_files`` of the pattern; sharded over the workers of a multi-worker job, once every worker
-    listed the same files with the same record counts (issue 43: ``agreement.check_same_files``)."""
+    """``_readable_files`` of the ``patterns`` (``source``: as messages show them); sharded over the workers of a
+    multi-worker job, once every worker listed the same files with the same record counts
+    (``agreement.check_same_files``)."""
     job = cluster_lib.cluster_from_env() if pipelines > 1 else None
     if job is None or not job.is_multi_worker:
-        return _readable_files(_list_files(file_pattern), skip_corrupt)
+        return _readable_files(_list_files(patterns, source), skip_corrupt)
     try:
-        paths, counts = _readable_files(_list_files(file_pattern), skip_corrupt)
-    except (FileNotFoundError, DataError) as error:
-        agreement.check_same_files(file_pattern, error, job.worker_index, job.num_workers)
+        paths, counts = _readable_files(_list_files(patterns, source), skip_corrupt)
+    except Exception as error:  # none match, a damaged file, the filesystem's own error: the peers stop too
+        agreement.check_same_files(source, error, job.worker_index, job.num_workers)
         raise
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
     names = agreement.relative_names(patterns, paths)
-    agreement.check_same_files(file_pattern, sorted(zip(names, counts)), job.worker_index, job.num_workers)
+    agreement.check_same_files(source, sorted(zip(names, counts)), job.worker_index, job.num_workers)
     return paths, counts
 
 
 def _warn_if_record_level(num_files: int, pipelines: int) -> None:
     if num_files >= pipelines:
         return
-    warnings.warn(f"{num_files} file(s) for {pipelines} input pipelines: every pipeline reads every file and keeps "
-                  f"1 record in {pipelines} (record-level sharding), which reads all data {pipelines} times. Write at "
-                  f"least {pipelines} files (write_tfrecords(num_shards={pipelines}) or more) so each reads whole files.",
+    warnings.warn(f"{num_files} file(s) for {pipelines} input pipelines: each pipeline reads its run of records "
+                  "of one or two files, skipping the records before it, with little parallel reading. Write at "
+                  f"least {pipelines} files (write_tfrecords(num_shards={pipelines}) or more).",
                   ShardingWarning, stacklevel=3)
 
 

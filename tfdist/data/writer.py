@@ -18,9 +18,10 @@ In a multi-worker job the script runs on every worker, so every worker may call
 ``write_tfrecords``: the chief decides and writes, the others hash the same examples and
 follow it. The chief publishes, in the coordination service's key-value store
 (``tfdist.kvstore``), the hash of its examples (in order, and in any order), then its
-outcome: the record count, or its error. The key holds the call's arguments and how many
-calls with the same ones this process made before (``agreement.call_key``), so no other call reads it. A worker
-whose hash differs raises at once, saying whether its examples or only their order differ
+outcome: the record count, or its error, under a key of the call's number in this process
+(``agreement.call_key``: the n-th call is one call on every worker, whatever its arguments). A worker whose
+arguments differ from the chief's (``out_dir`` aside: a shared directory may be mounted at other places), or whose
+hash differs, raises at once, saying whether its examples or only their order differ
 (an unseeded shuffle); one whose chief raised (FileExistsError) raises the same; the
 others wait until they see the chief's shards, then return the same result. A process
 without a store (no multi-worker strategy) waits for the marker of its own examples
@@ -103,7 +104,7 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
             (numbers, booleans or strings). Floats are stored as float32.
         out_dir: the directory for the shards (created if missing).
         num_shards: how many files (1 to 99999); write at least as many as the workers that
-            will read them, so each reads whole files.
+            will read them, so each reads several files in parallel.
         prefix: shard names are ``prefix-00000-of-00016.tfrecord``.
         image_format: "jpeg" (smaller, lossy) or "png" (lossless).
         jpeg_quality: 1 to 100.
@@ -125,13 +126,17 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
     names = [shard_name(prefix, i, num_shards) for i in range(num_shards)]
     paths = tuple(os.path.join(out_dir, name) for name in names)
     settings = [names, image_format, jpeg_quality]
-    key = agreement.call_key("write_tfrecords", [out_dir, prefix, num_shards, image_format, jpeg_quality, overwrite])
+    # The n-th call of this process, never its arguments: a worker whose arguments differ meets worker 0 and is told.
+    # out_dir is not compared: workers may mount the shared directory at other places.
+    key = agreement.call_key("write_tfrecords")
+    arguments = {"prefix": prefix, "num_shards": num_shards, "image_format": image_format,
+                 "jpeg_quality": jpeg_quality, "overwrite": overwrite}
     job = cluster_lib.cluster_from_env()
     if job.is_chief:
         def write(examples: _Examples) -> WriteResult:
             return _write(dataset, kinds, out_dir, prefix, names, image_format, jpeg_quality, overwrite,
                           examples.fingerprint)
-        return _publishing(key, lambda: _hash(dataset, settings), write)
+        return _publishing(key, arguments, lambda: _hash(dataset, settings), write)
     examples = _hash(dataset, settings)  # TF ran ops by now, so tfdist built its strategy and the store of a job
     rank = job.worker_index
     if not kvstore.available():
@@ -141,17 +146,18 @@ def write_tfrecords(source: Any, out_dir: str, *, num_shards: int, prefix: str =
                             "worker 0 only)", lambda: _finished(out_dir, prefix, examples.fingerprint))
         return WriteResult(paths, count)
     count = _wait(rank, f"for worker 0 to write these examples into {out_dir} (every worker must make the same "
-                        "write_tfrecords calls, or only worker 0)", lambda: _chiefs_outcome(key, rank, examples))
+                        "write_tfrecords calls, or only worker 0)", lambda: _chiefs_outcome(key, rank, examples,
+                                                                                        arguments))
     _wait(rank, f"to see worker 0's shards in {out_dir}: every worker must see that directory (a shared filesystem)",
           lambda: all(tf.io.gfile.exists(path) for path in paths) or None)
     return WriteResult(paths, count)
 
 
-def _publishing(key: str, hash_examples: Callable[[], _Examples],
+def _publishing(key: str, arguments: dict, hash_examples: Callable[[], _Examples],
                 write: Callable[[_Examples], WriteResult]) -> WriteResult:
-    """The chief: publishes its examples' hashes under ``key``, then the outcome of ``write``: its record count or
-    its error (nothing without a store)."""
-    published: dict[str, Any] = {}
+    """The chief: publishes its ``arguments`` and its examples' hashes under ``key``, then the outcome of
+    ``write``: its record count or its error (nothing without a store)."""
+    published: dict[str, Any] = {"arguments": arguments}
     try:
         examples = hash_examples()
         published.update(dataclasses.asdict(examples))
@@ -164,14 +170,23 @@ def _publishing(key: str, hash_examples: Callable[[], _Examples],
     return result
 
 
-def _chiefs_outcome(key: str, rank: int, examples: _Examples) -> int | None:
+def _chiefs_outcome(key: str, rank: int, examples: _Examples, arguments: dict) -> int | None:
     """The chief's record count once its shards of ``examples`` are complete, None before.
 
     Raises:
-        DataError: the chief's examples, or their order, differ from this worker's; or the chief's write failed.
+        DataError: the chief's call (its ``arguments``), its examples, or their order, differ from this worker's;
+            or the chief's write failed.
         FileExistsError: the chief's (shards of this prefix that are not these examples).
     """
     chiefs = json.loads(kvstore.get(key, _STORE_WAIT_MS) or "{}")
+    theirs = chiefs.get("arguments", arguments)
+    if theirs != arguments:
+        number = key.rsplit("/", 1)[1]
+        differ = ", ".join(f"{name}={arguments[name]!r} (worker 0: {theirs.get(name)!r})" for name in arguments
+                           if theirs.get(name) != arguments[name])
+        raise DataError(f"write_tfrecords: worker {rank}'s call {number} of write_tfrecords differs from worker 0's "
+                        f"call {number}: {differ}. Every worker must make the same write_tfrecords calls in the same "
+                        "order (or call it on worker 0 only, then tfdist.collectives.barrier()).")
     if chiefs.get("fingerprint", examples.fingerprint) != examples.fingerprint:
         raise _differs(rank, examples, chiefs)
     if chiefs.get("error") == "FileExistsError":

@@ -193,18 +193,18 @@ def _sharded_backup(callback):
     return manager
 
 
-def _layouts(callback) -> list[list[int]]:
+def _layouts(callback) -> list[list]:
     """The runs that trained the current epoch so far: ``[input pipelines, steps done at its end, global
-    batch]`` each (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist dataset
-    trains."""
+    batch, split]`` each (``tfdist.data.epochs`` tells from them which records were read); [] unless a tfdist
+    dataset trains."""
     layout, done = fit_start.training_layout(), getattr(callback, "_tfdist_steps_done", 0)
     if layout is None or not done:
         return []
-    pipelines, global_batch = layout
+    pipelines, global_batch, split = layout
     earlier = [list(run) for run in getattr(callback, "_tfdist_layouts", [])]
-    if len(earlier) == 1 and earlier[0][0] == pipelines and earlier[0][2:] in ([], [global_batch]):
+    if len(earlier) == 1 and earlier[0][0] == pipelines and earlier[0][2:] == [global_batch, split]:
         earlier = []  # this run went on with the same stream
-    return earlier + [[pipelines, done, global_batch]]
+    return earlier + [[pipelines, done, global_batch, split]]
 
 
 @patch.replaces(BackupAndRestore, "on_train_end", ("self", "logs"))
