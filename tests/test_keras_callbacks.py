@@ -113,7 +113,8 @@ def test_every_patch_is_applied_on_this_keras():
         ("precision_check", True, None), ("sync_batch_norm", True, None), ("keras_distribution_cluster", True, None),
         ("keras_distribution", True, None), ("quiet_fit", True, None), ("step_report", True, None), ("preemption", True, None), ("autotune", True, None),
         ("sparse_rows", True, None),
-        ("scaled_loss", True, None), ("py_dataset_build", True, None), ("batch_shares", True, None)]
+        ("scaled_loss", True, None), ("py_dataset_build", True, None), ("batch_shares", True, None),
+        ("sharded_save_points", True, None)]
 
 
 class _Owner:
