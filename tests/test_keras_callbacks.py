@@ -114,7 +114,7 @@ def test_every_patch_is_applied_on_this_keras():
         ("keras_distribution", True, None), ("quiet_fit", True, None), ("step_report", True, None), ("preemption", True, None), ("autotune", True, None),
         ("sparse_rows", True, None),
         ("scaled_loss", True, None), ("py_dataset_build", True, None), ("batch_shares", True, None),
-        ("async_checkpoint", True, None), ("model_files", True, None)]
+        ("async_checkpoint", True, None), ("model_files", True, None), ("sharded_save_points", True, None)]
 
 
 class _Owner:

@@ -89,6 +89,20 @@ def put(key: str, value: str) -> None:
     _bounded(write)
 
 
+def put_once(key: str, value: str) -> str | None:
+    """Sets ``key`` unless it holds a value already, and returns the value it holds then (None: no store, or it
+    did not answer). The store refuses to insert a key that exists, so of workers racing to set one key, one
+    value wins and every worker reads that one."""
+    def insert(ctx) -> None:
+        try:
+            ctx.set_config_key_value(key, value)
+        except Exception:  # noqa: BLE001  (AlreadyExists: another value won; or the store is gone)
+            pass
+
+    _bounded(insert)
+    return get(key)
+
+
 def delete(key: str) -> None:
     """Removes ``key`` (nothing when absent or without a store; see ``_bounded``)."""
     _bounded(lambda ctx: _delete(ctx, key))

@@ -53,6 +53,8 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
 * ``preemption``: each ``fit`` is a session of the agreed stop: a stop signal or a callback's
   ``stop_training`` on one worker stops every worker after one agreed step (or epoch); a
   preempted fit saves through BackupAndRestore and exits 85.
+* ``sharded_save_points``: where each worker's fits are (``tfdist.save_rounds``), so a sharded save on some
+  workers only fails at once when another worker went on; applied last (before any collective of ``fit``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def patches() -> tuple[Patch, ...]:
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
             distribution_cluster.patch, distribution.patch, quiet.patch, step_report.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,
             scaled_loss.patch, py_dataset_build.patch, batch_shares.patch, async_checkpoint.patch,
-            model_files.patch)
+            model_files.patch,
+            sharded_state.points_patch)  # last: the outermost fit, before any collective of it
 
 
 def apply_all() -> None:

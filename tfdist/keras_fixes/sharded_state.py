@@ -19,7 +19,8 @@ built under a strategy of N > 1 replicas (local devices or workers) shards its s
   optimizer writes the checkpoint of an unsharded one (plain Keras loads it on one device); loading a
   whole slot (saved by any number of replicas, or none) keeps this replica's shard. Under several
   workers a save gathers from every worker, so every worker must save (tfdist's ModelCheckpoint and
-  BackupAndRestore do; a save on the chief alone is a ShardingError before the file is opened).
+  BackupAndRestore do; a save on the chief alone is a ShardingError before the file is opened, naming the worker
+  that is not saving: at once when it exited or went on, ``tfdist.save_rounds``).
 
 Only optimizers whose update is element-wise can be sharded exactly (``SHARDABLE``); Lamb (a
 per-weight trust ratio), Adafactor (factored moments), Muon (whole matrices) and any other class
@@ -33,18 +34,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 
 import numpy as np
 import tensorflow as tf
 from keras.src import backend, initializers, optimizers
+from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.callbacks.callback_list import CallbackList
 from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
 
-from tfdist import kvstore, process_group, sharding
+from tfdist import kvstore, process_group, save_rounds, sharding
 from tfdist.errors import ShardingError
+from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -134,6 +137,8 @@ def _lay_out_shards(original, self, variables):
         return original(self, variables)
     check(self)
     self._tfdist_layout = _Layout(replicas)
+    if process_group.is_multi_worker(strategy):
+        save_rounds.track(process_group.worker_rank(strategy))  # its saves are rounds: peers must see its point
     original(self, variables)
 
 
@@ -397,31 +402,57 @@ _NOT_IN_A_GRAPH = (
     "BackupAndRestore) and by an eager tf.train.Checkpoint; a SavedModel (tf.saved_model.save) or a checkpoint "
     "saved inside a tf.function cannot hold them. Save the model with model.save('model.keras') (or export it "
     "for serving with model.export(), which holds no optimizer), or train with shard_optimizer_state=False.")
-GATHER_AGREEMENT_S = 120.0  # how long a worker's gather of a slot waits for every other worker to gather too
-_gathers = [0]  # this process's gathers of whole slots so far: the same count on every worker
+GATHER_AGREEMENT_S = 120.0  # how long a gather of whole slots waits for a worker that may still take part
 _agreed = [False]  # inside a save every worker agreed to: its gathers need no agreement of their own
 
 
 def _every_worker_gathers(strategy, name: str) -> None:
-    """Under several workers, waits until every worker gathers this slot; a ShardingError names who did not.
+    """Under several workers, waits until every worker gathers this slot (a round of ``tfdist.save_rounds``);
+    a ShardingError names a worker that cannot be taking part.
 
     A save on the chief alone (``if rank == 0: model.save(...)``) would otherwise wait in the
-    gather for the other workers forever.
+    gather for the other workers forever. It fails at once when a worker exited or went on past this point
+    (a later fit or epoch), within ``save_rounds.SKEW_S`` when one is alive outside fit and not saving, and
+    after ``GATHER_AGREEMENT_S`` when one may still come (frozen, or still in the fit).
     """
     if _agreed[0] or not process_group.is_multi_worker(strategy) or not kvstore.available():
         return
-    _gathers[0] += 1
-    rank, size = process_group.worker_rank(strategy), process_group.num_workers(strategy)
-    prefix = f"tfdist/sharded_state/gather/{_gathers[0]}"
-    kvstore.put(f"{prefix}/{rank}", name)
-    deadline = time.monotonic() + GATHER_AGREEMENT_S
-    missing = [r for r in range(size) if r != rank and kvstore.wait_for(f"{prefix}/{r}", deadline) is None]
-    if missing:
+    rank = process_group.worker_rank(strategy)
+    why = save_rounds.agree(rank, process_group.num_workers(strategy), GATHER_AGREEMENT_S)
+    if why:
         raise ShardingError(
             f"Worker {rank} reads or saves the sharded optimizer state of {name} whole, which gathers it from every "
-            f"worker, but worker(s) {missing} did not within {GATHER_AGREEMENT_S:g} s. Call model.save / "
-            "save_weights / checkpoint.save on every worker (tfdist keeps the chief's file; its ModelCheckpoint and "
-            "BackupAndRestore do so), not only on the chief.")
+            f"worker, but {why}. Call model.save / save_weights / checkpoint.save on every worker, not only on the "
+            "chief, each worker to a path of its own, and give a ModelCheckpoint or BackupAndRestore to every "
+            "worker's fit (tfdist keeps the chief's files).")
+
+
+@patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
+def _epoch_end_is_a_point(original, self, epoch, logs=None):
+    """A multi-worker fit's epoch whose callbacks ended moves this worker's point (``save_rounds``), before the
+    collectives that end an epoch (``points_patch`` is applied after them): a worker past it did not save in them."""
+    original(self, epoch, logs)
+    if process_group.is_multi_worker(getattr(getattr(self, "model", None), "distribute_strategy", None)):
+        save_rounds.epoch_ended(epoch)
+
+
+points_patch = Patch(
+    "sharded_save_points", "tfdist: a sharded save on some workers only",
+    without="a sharded save on the chief alone, while another worker began its next fit, waits "
+            f"GATHER_AGREEMENT_S ({GATHER_AGREEMENT_S:g} s) for it instead of failing at once.")
+
+
+@points_patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)
+def _fit_is_a_point(original, self, *args, **kwargs):
+    """A multi-worker fit moves this worker's point as it begins, before any collective of it (applied last of
+    tfdist's patches: the outermost ``fit``), and as it ends."""
+    if not process_group.is_multi_worker(self.distribute_strategy):
+        return original(self, *args, **kwargs)
+    save_rounds.fit_began()
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        save_rounds.fit_ended()
 
 
 @patch.replaces(saving_lib, "save_model", ("model", "filepath", "weights_format", "zipped"))
