@@ -104,6 +104,21 @@ def test_set_distribution_inside_another_strategys_scope_is_an_error(fresh_distr
     assert keras.distribution.distribution() is None
 
 
+def test_a_distribution_tfdist_does_not_train_through_is_set_as_keras_sets_it(fresh_distribution):
+    """keras/src/distribution/distribution_lib_test.py::DistributionTest::test_scope enters scopes of Keras' base
+    Distribution over a mesh of 8 CPUs that need not exist: Keras only sets and restores it, and so does tfdist,
+    which builds its strategy for DataParallel and ModelParallel (it failed: "Device 'cpu:1' ... is not visible")."""
+    from keras.src.distribution import distribution_lib
+
+    mesh = DeviceMesh((4, 2), ("batch", "model"), [f"cpu:{i}" for i in range(8)])
+    outer, inner = distribution_lib.Distribution(mesh), distribution_lib.Distribution(mesh)
+    with outer.scope():
+        with inner.scope():
+            assert keras.distribution.distribution() is inner
+        assert keras.distribution.distribution() is outer and not tf.distribute.has_strategy()
+    assert keras.distribution.distribution() is None
+
+
 class Batches(keras.utils.PyDataset):
     def __init__(self, x):
         super().__init__()

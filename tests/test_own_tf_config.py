@@ -81,3 +81,17 @@ def test_script_that_sets_the_launchers_tf_config_carries_on(tmp_path):
     result, _ = run(tmp_path, SAME_AS_LAUNCHER)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "[0] workers 2" in result.stdout and "[1] workers 2" in result.stdout
+
+
+def test_a_scripts_own_mirrored_strategy_trains_each_workers_copy_in_a_job(tmp_path):
+    """tf.distribute.MirroredStrategy() of a script run on 2 workers: each trains its own copy (tfdist says so once).
+    The job's strategy, built before TensorFlow's first op, makes the cluster's task 0 resolve every collective
+    group: both workers' local groups took group key 1, and worker 1's first all-reduce failed with "joining a
+    group that is already full (group_key=1)" (found running keras/src/backend/tensorflow/distribute_test.py under
+    tfdist run -n 2, tests/keras_gate)."""
+    from tests.jobs import run_job
+
+    job = run_job("own_mirrored_job.py", tmp_path, launcher_args=("--cpu-devices", "2")).check()
+    assert job.results[0]["weights"] == job.results[1]["weights"]  # the same data, each worker's own copy
+    for rank in (0, 1):
+        assert [w for w in job.results[rank]["warnings"] if "trains its own copy" in w]

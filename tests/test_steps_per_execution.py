@@ -43,8 +43,54 @@ def test_k_steps_per_call_equal_one_step_per_call(mirrored):
     np.testing.assert_allclose(one["evaluate"], five["evaluate"], rtol=1e-5)
     np.testing.assert_allclose(one["predict"], five["predict"], atol=1e-5)
     assert one["iterations"] == five["iterations"] == 32
-    # Callbacks see every K-th batch, as Keras documents: since Keras 3.11 a call's last batch, before its first.
-    assert five["batches"] in ([4, 9, 14, 15] * 2, [0, 5, 10, 15] * 2)
+    # Callbacks see every K-th batch, as Keras documents: since Keras 3.11 a call's last batch (the last call, which
+    # the data ends, the batch a whole call would end at: Keras' number), before its first.
+    assert five["batches"] in ([4, 9, 14, 19] * 2, [0, 5, 10, 15] * 2)
+
+
+@pytest.mark.parametrize("devices", [None, "CPU:[0-1]"], ids=["one-device", "mirrored-2"])
+def test_callbacks_see_keras_batch_numbers_when_the_data_ends_the_epoch(devices):
+    """Keras 3.15.1 on one device, 10 batches at K=3: 10 steps, on_train_batch_end(2, 5, 8, 11) (its last call stops
+    at the data's end and reports the batch a whole call would end at; keras/src/trainers/trainer_test.py pins it).
+    tfdist trained the same 10 steps but reported 9; on 2 replicas it reports as on one device."""
+    strategy = strategy_lib.make_strategy("mirrored", devices=devices) if devices else tf.distribute.get_strategy()
+    model, seen = compiled(strategy, steps_per_execution=3), []
+    x = np.zeros((10 * 4, 6), "float32")
+    model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))])
+    assert seen == [2, 5, 8, 11] * 2
+    assert int(model.optimizer.iterations.numpy()) == 20
+
+
+def test_one_device_traces_the_train_step_as_often_as_keras():
+    """keras/src/trainers/trainer_test.py::test_retracing: K=20, 100 batches of 1, Adam: Keras traces the train step
+    at most twice (the first trace makes the optimizer's variables, so tf.function traces again). tfdist's loop,
+    which holds the step at two call sites, traced it 4 times."""
+    traced = []
+
+    class Counted(keras.Sequential):
+        def train_step(self, *args):
+            traced.append(1)
+            return super().train_step(*args)
+
+    model = Counted([keras.Input((4,)), keras.layers.Dense(1, activation="relu")])
+    model.compile(loss="mse", optimizer="adam", steps_per_execution=20)
+    model.fit(np.ones((100, 4)), np.ones((100, 1)), batch_size=1, verbose=0)
+    assert len(traced) <= 2
+    assert int(model.optimizer.iterations.numpy()) == 100
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_a_last_call_that_finds_the_data_ended_ends_the_epoch(run_eagerly):
+    """steps_per_epoch=7 at K=3 over 5 batches of unknown count: the call at batch 6 finds no data. Keras' own path
+    ends the epoch (StopIteration); its per-batch path, which runs tfdist's shorter last call, failed with an unbound
+    ``outputs``."""
+    model = compiled(tf.distribute.get_strategy(), steps_per_execution=3, run_eagerly=run_eagerly)
+    x = np.zeros((5 * 4, 6), "float32")
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).filter(lambda a, b: True).batch(4)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        model.fit(data, epochs=1, steps_per_epoch=7, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 5
 
 
 def test_without_the_fix_keras_fails_under_mirrored(mirrored, monkeypatch):

@@ -508,15 +508,15 @@ def is_multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
     return strategy is not None and num_workers(strategy) > 1
 
 
-def num_workers(strategy: tf.distribute.Strategy) -> int:
-    """Worker processes that ``strategy`` spans (1 for every single-process strategy)."""
+def num_workers(strategy: tf.distribute.Strategy | None) -> int:
+    """Worker processes that ``strategy`` spans (1 for every single-process strategy, and for None)."""
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return strategy.extended._num_workers  # TF keeps no public count of workers
     return 1
 
 
-def worker_rank(strategy: tf.distribute.Strategy) -> int:
-    """This process's rank among ``strategy``'s workers (0 is the chief)."""
+def worker_rank(strategy: tf.distribute.Strategy | None) -> int:
+    """This process's rank among ``strategy``'s workers (0 is the chief; 0 for None)."""
     return strategy.extended._id_in_cluster if num_workers(strategy) > 1 else 0
 
 

@@ -18,7 +18,8 @@ build their tf.data pipeline first. Two patches, installed when TensorFlow is im
 Each is a ``tfdist.patching.Patch`` whose guard checks the internal it replaces.
 
 And ``tf.distribute.MirroredStrategy()`` in a multi-worker job warns that it trains each
-worker's own copy. ``install`` also applies ``tfdist.tf_fixes`` (tf.distribute's input).
+worker's own copy, and takes collective keys of this worker's own (task 0 resolves every group).
+``install`` also applies ``tfdist.tf_fixes`` (tf.distribute's input).
 
 When the hang watchdog starts (``tfdist.watchdog``), every ``tf.function`` call and every eager
 collective of MultiWorkerMirroredStrategy marks its thread "in a call" until it returns
@@ -190,6 +191,12 @@ def _init_strategy(original, self, *args, **kwargs):
         strategy_lib.adopt(self, f"tf.distribute.MultiWorkerMirroredStrategy() at {startup.user_frame(sys._getframe(2))}")
 
 
+# A worker's own MirroredStrategy takes its collective group keys past this many per worker index: the job's strategy
+# (built before TensorFlow's first op) makes the cluster's task 0 resolve every collective group, local ones too, so
+# two workers' local groups on one key met as one ("joining a group that is already full (group_key=1)").
+_WORKER_KEY_SPAN = 1_000_000
+
+
 @mirrored_warning.replaces(tf.distribute.MirroredStrategy, "__init__", ("self", "devices", "cross_device_ops"))
 def _init_mirrored(original, self, devices=None, cross_device_ops=None):
     try:
@@ -202,6 +209,8 @@ def _init_mirrored(original, self, devices=None, cross_device_ops=None):
             "MirroredStrategy spans this worker's own devices only: each worker trains its own copy of the "
             "model. To train one model on every worker, use tfdist.scope() / tfdist.get_strategy() (or "
             "tf.distribute.MultiWorkerMirroredStrategy()).", ClusterWarning, stacklevel=3)
+        # TensorFlow's MirroredExtended reads the strategy's _collective_key_base (its tests bump it per strategy)
+        self._collective_key_base = type(self)._collective_key_base + (cluster.worker_index + 1) * _WORKER_KEY_SPAN
     original(self, devices, cross_device_ops)
 
 

@@ -58,15 +58,21 @@ LAYOUTS = "data_layouts_in_epoch"
 _REPORTS_LAST_BATCH = Version(keras.__version__) >= Version("3.11")
 
 
+def strategy_of(model) -> tf.distribute.Strategy | None:
+    """The strategy ``model`` was built under; None for a stand-in that is no Keras model (Keras' callbacks take any
+    object with the attributes they use, and Keras' own tests pass one): one worker, as with no strategy."""
+    return getattr(model, "distribute_strategy", None)
+
+
 def _workers(model) -> tuple[int, int]:
     """(this worker's rank, number of workers) of the strategy ``model`` was built under."""
-    strategy = model.distribute_strategy
+    strategy = strategy_of(model)
     return process_group.worker_rank(strategy), process_group.num_workers(strategy)
 
 
 def sum_over_workers(value: float, model) -> float:
     """``value`` summed over the workers of the strategy ``model`` was built under (a collective)."""
-    group = process_group.for_strategy(model.distribute_strategy)
+    group = process_group.for_strategy(strategy_of(model))
     return float(group.allreduce(tf.constant([value], tf.float64), op="sum", device="CPU").numpy()[0])
 
 
@@ -212,11 +218,11 @@ def _delete_after_every_worker_is_done(original, self, logs=None):
     self.model._initial_epoch = None  # Keras keeps the restored epoch: every later fit of the model would skip to it
     rank, workers = _workers(self.model)
     if workers > 1:
-        process_group.for_strategy(self.model.distribute_strategy).barrier()  # every last save is done before the chief deletes
+        process_group.for_strategy(strategy_of(self.model)).barrier()  # every last save is done before the chief deletes
     if rank == 0:
         original(self, logs)
     if workers > 1:
-        process_group.for_strategy(self.model.distribute_strategy).barrier()  # no worker sees it before it is gone
+        process_group.for_strategy(strategy_of(self.model)).barrier()  # no worker sees it before it is gone
 
 
 @patch.replaces(EpochIterator, "_enumerate_iterator", ("self",))
@@ -246,7 +252,7 @@ def _skip_steps_the_backup_had_done(original, self):
 
 @patch.replaces(TensorBoard, "set_model", ("self", "model"))
 def _tensorboard_elsewhere_unless_chief(original, self, model):
-    if process_group.worker_rank(model.distribute_strategy) != 0:
+    if process_group.worker_rank(strategy_of(model)) != 0:
         _drop_private_dir(self, "log_dir")
         self._tfdist_user_value = getattr(self, "_tfdist_user_value", self.log_dir)
         self.log_dir = self._tfdist_private = tempfile.mkdtemp(prefix="tfdist-tensorboard-")

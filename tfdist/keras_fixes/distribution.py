@@ -4,11 +4,13 @@ On Keras 3.15's TensorFlow backend ``set_distribution(DataParallel())`` is accep
 trains on one device, silently; a ModelParallel that shards a kernel trains one unsharded copy.
 Here:
 
-* ``set_distribution`` (and so ``Distribution.scope()``) makes tfdist's strategy over the
-  distribution's devices the process's tf.distribute strategy, as ``tfdist.init()`` does: a
-  MirroredStrategy over the mesh's devices in one process, the MultiWorkerMirroredStrategy of
-  the job across workers. Models, optimizers and ``fit`` made after it use it; the strategy
-  before it comes back with ``set_distribution(None)`` and at the end of the scope.
+* ``set_distribution`` (and so ``Distribution.scope()``) of a DataParallel or ModelParallel makes
+  tfdist's strategy over the distribution's devices the process's tf.distribute strategy, as
+  ``tfdist.init()`` does: a MirroredStrategy over the mesh's devices in one process, the
+  MultiWorkerMirroredStrategy of the job across workers. Models, optimizers and ``fit`` made
+  after it use it; the strategy before it comes back with ``set_distribution(None)`` and at the
+  end of the scope. Any other Distribution (Keras' base class, a user's own) is set as Keras
+  sets it: tfdist does not know how it would train.
 * Keras' semantics for data: the dataset is batched at the global batch; Keras'
   ``distribute_dataset`` gives each process its share (once), and each process's batch is split
   over its replicas in order (``distribute_datasets_from_function``, which tf.distribute never
@@ -77,7 +79,8 @@ def strategy_for(distribution) -> tf.distribute.Strategy:
 def _set_distribution(original, value):
     """Sets Keras' distribution and makes tfdist's strategy for it the process's strategy."""
     global _set_by_tfdist
-    strategy = None if value is None else strategy_for(value)
+    trains_through_tfdist = isinstance(value, (distribution_lib.DataParallel, distribution_lib.ModelParallel))
+    strategy = strategy_for(value) if trains_through_tfdist else None
     if strategy is not None and strategy is not tf.distribute.get_strategy():
         before = _set_by_tfdist[1] if _set_by_tfdist else (
             tf.distribute.get_strategy() if tf.distribute.has_strategy() else None)

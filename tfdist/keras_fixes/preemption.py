@@ -43,7 +43,7 @@ from keras.src.callbacks.callback_list import CallbackList
 from tfdist import preemption, process_group
 from tfdist import fit_start
 from tfdist.keras_fixes import callback_state
-from tfdist.keras_fixes.callbacks import sum_over_workers
+from tfdist.keras_fixes.callbacks import strategy_of, sum_over_workers
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
 
@@ -62,7 +62,7 @@ def _backups(callbacks: CallbackList) -> list[BackupAndRestore]:
 
 
 def _several_workers(model) -> bool:
-    return process_group.num_workers(model.distribute_strategy) > 1
+    return process_group.num_workers(strategy_of(model)) > 1
 
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "fit", FIT_PARAMETERS)

@@ -2,19 +2,23 @@
 
 Keras 3 runs K steps in one ``tf.function`` through a ``while_loop`` whose body calls the
 one-step ``tf.function`` inside a ``tf.cond``; under MirroredStrategy and
-MultiWorkerMirroredStrategy (and with several logical devices even without a strategy)
-the nested function fails: "You must feed a value for placeholder tensor
-'.../while/cond/Placeholder'". The replacement traces the step body inline, in a
-``tf.range`` loop that stops early at the end of the data, and reduces the logged values
-across replicas once per call (Keras returns only the last step's), which under a
-multi-worker strategy saves a collective per step. Every other case (K=1, eager, XLA,
-Python iterators) stays with Keras.
+MultiWorkerMirroredStrategy the nested function fails: "You must feed a value for placeholder
+tensor '.../while/cond/Placeholder'". Under a strategy, the replacement traces the step body
+inline, in a ``tf.range`` loop that stops early at the end of the data, and reduces the logged
+values across replicas once per call (Keras returns only the last step's), which under a
+multi-worker strategy saves a collective per step. Every other case (no strategy, K=1, eager,
+XLA, Python iterators) stays with Keras: with no strategy Keras' function works, and it traces
+the step once where the inline loop traces it at both its call sites (twice when the first
+trace makes the optimizer's variables, as it does without a strategy: Keras allows 2).
 
-``exact_steps_patch``: Keras 3.15 runs every call for K whole steps, so an epoch of S steps
-trains ceil(S/K)*K (``fit(steps_per_epoch=70)`` at K=16 trains 80 a epoch, and
-``predict(steps=70)`` returns 80 batches). The epoch iterator now hands the last call of an
-epoch a ``PartialExecution`` of the steps left, which the function above runs as a shorter
-loop (and Keras' own per-batch path runs batch by batch), and reports its true last batch.
+``exact_steps_patch``: Keras 3.15 runs every call for K whole steps while the data lasts, so an
+epoch of S steps (``steps_per_epoch``) trains ceil(S/K)*K (``fit(steps_per_epoch=70)`` at K=16
+trains 80 a epoch, and ``predict(steps=70)`` returns 80 batches). The epoch iterator now hands
+the last call of an epoch a ``PartialExecution`` of the steps left, which the function above
+runs as a shorter loop (and Keras' own per-batch path runs batch by batch). Callbacks see
+Keras' batch numbers where Keras trains the steps asked for (a call the data ends reports the
+batch a whole call would end at: 2, 5, 8, 11 for 10 batches at K=3, as Keras' tests pin), and
+the true last batch of a call tfdist cuts short where Keras would train past the epoch.
 
 ``auto_patch``: ``compile(steps_per_execution="auto")``, and any model compiled under a
 strategy tfdist built without a ``steps_per_execution`` of its own, runs ``AUTO_STEPS``
@@ -24,6 +28,7 @@ steps per call in ``fit``, or 1 when a callback needs to see every batch.
 from __future__ import annotations
 
 import inspect
+import itertools
 
 import tensorflow as tf
 from keras.src import callbacks as callbacks_module
@@ -47,8 +52,10 @@ def _steps_traced_inline(original, self, step_function):
     step_function = _clocked(step_function, after_batch=not self.jit_compile)
     keras_function = original(self, step_function)
     steps = self.steps_per_execution
-    if steps == 1 or self.run_eagerly or self.jit_compile:
+    if steps == 1:
         return keras_function
+    if self.run_eagerly or self.jit_compile or _no_strategy(self):
+        return _taking_partial_calls(keras_function)
     strategy = self.distribute_strategy
 
     def replicated_step(data):
@@ -73,6 +80,22 @@ def _steps_traced_inline(original, self, step_function):
             return multi_step(iterator.iterator, tf.constant(iterator.steps))
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             return multi_step(iterator, tf.constant(steps))
+        return keras_function(iterator)
+
+    return function
+
+
+def _no_strategy(model) -> bool:
+    """Neither ``model`` nor the caller is under a tf.distribute strategy (Keras' default one)."""
+    return not tf.distribute.has_strategy() and model.distribute_strategy is tf.distribute.get_strategy()
+
+
+def _taking_partial_calls(keras_function):
+    """Keras' function, given a ``PartialExecution`` whose data has ended as Keras' own iterator path is: it raises
+    StopIteration (Keras ends the epoch), where Keras' per-batch path would fail with an unbound ``outputs``."""
+    def function(iterator):
+        if isinstance(iterator, PartialExecution):
+            iterator = itertools.chain([next(iterator)], iterator)
         return keras_function(iterator)
 
     return function
@@ -136,10 +159,21 @@ def _last_call_runs_the_steps_left(original, self):
             yield item
             continue
         left = steps_in_epoch - begin
+        keras_stops_here = _data_ends_within(self, left)
         if hasattr(self, "_steps_seen"):  # Keras counted a whole call: count what will really run
             self._steps_seen -= self.steps_per_execution - left
         partial = PartialExecution(iterator, left)
-        yield (begin, steps_in_epoch - 1, partial) if len(item) == 3 else (begin, partial)
+        if len(item) == 2:
+            yield begin, partial
+        else:  # Keras' number where its call would stop at the data's end too; else the true last batch
+            yield begin, item[1] if keras_stops_here else steps_in_epoch - 1, partial
+
+
+def _data_ends_within(epoch_iterator, left: int) -> bool:
+    """Whether the data of the call being handed out (Keras counted it whole in ``_steps_seen``) ends within
+    ``left`` batches: then Keras' call stops there by itself and trains the steps asked for."""
+    batches, seen = epoch_iterator._num_batches, getattr(epoch_iterator, "_steps_seen", None)
+    return bool(batches) and seen is not None and batches - (seen - epoch_iterator.steps_per_execution) <= left
 
 
 # steps_per_execution="auto" ------------------------------------------------------------------------
