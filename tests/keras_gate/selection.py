@@ -47,6 +47,9 @@ TESTS_OF_PATCH: dict[str, tuple[str, ...]] = {
     "scaled_loss": LOSS_SCALE,                            # LossScaleOptimizer.scale_loss
     "py_dataset_build": TRAINER,                          # TensorFlowTrainer._maybe_symbolic_build
     "batch_shares": TRAINER + ("losses/loss_test.py", "losses/losses_test.py"),  # train_step, the loss scaling
+    "async_checkpoint": ("backend/tensorflow/saved_model_test.py",),  # Variable._copy_trackable_to_cpu
+    "model_files": ("saving/saving_lib_test.py", "saving/saving_api_test.py"),  # saving_lib.save_model, weights
+    "sharded_save_points": TRAINER + CALLBACKS,           # TensorFlowTrainer.fit, the callbacks' epoch ends
 }
 
 # Test files whose modules import what the gate does not install (torch, grain, orbax): they fail to collect in

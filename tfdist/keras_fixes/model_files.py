@@ -34,8 +34,10 @@ def _weights_file_whole(original, model, filepath, *args, **kwargs):
 
 
 def _whole_file(model, filepath, save) -> None:
-    filepath = str(filepath)
-    if not process_group.is_multi_worker(getattr(model, "distribute_strategy", None)) or \
-            not atomic_files.is_local(filepath) or os.path.isdir(filepath):
+    """``save(filepath)``; under several workers, through a temporary file of this worker's (a path's only: a file
+    object or a URL goes as it is)."""
+    if not isinstance(filepath, (str, os.PathLike)) or \
+            not process_group.is_multi_worker(getattr(model, "distribute_strategy", None)) or \
+            not atomic_files.is_local(str(filepath)) or os.path.isdir(filepath):
         return save(filepath)
-    atomic_files.atomic_write(save, filepath)
+    atomic_files.atomic_write(save, str(filepath))
