@@ -63,7 +63,9 @@ def test_a_cuinit_error_is_kept_where_a_driver_exists():
     assert output.StartupNoiseFilter().keep(b"E0000 00:00:1.0   1 cuda_platform.cc:52] failed call to cuInit: X\n")
 
 
-@pytest.mark.parametrize("first", ["tfdist.compression", "tfdist.horovod", "tfdist.optimizer", "tfdist.devices"])
+@pytest.mark.parametrize("first", ["tfdist.compression", "tfdist.horovod", "tfdist.optimizer", "tfdist.devices",
+                                   "tfdist.checkpoint.store", "tfdist.keras_fixes.sharded_state",
+                                   "tfdist.keras_fixes.callbacks"])
 def test_every_keras_fix_applies_whichever_tfdist_module_is_imported_first(first):
     """Importing a tfdist module imports TensorFlow, which imports Keras, whose hook imports every fix:
     a fix that imports a name from the module still being imported would fail, and the fixes stay off."""

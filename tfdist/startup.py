@@ -15,7 +15,10 @@ imports and runs each hook once its module has been imported:
 * with ``aliases`` (``tfdist run --horovod``): extra module names that resolve to tfdist
   modules, e.g. ``horovod.tensorflow.keras`` -> ``tfdist.horovod``.
 
-A hook that fails warns and leaves the import alone: the user's program keeps running.
+A hook whose module is imported while a tfdist module is still being imported (``import
+tfdist.checkpoint`` imports TensorFlow, which imports Keras) waits until that tfdist import has
+finished, so the hook never meets a half-imported tfdist module. A hook that fails warns and leaves
+the import alone: the user's program keeps running.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ imported_at: str | None = None
 _after_import: dict[str, list[Callable[[], None]]] = {}
 _aliases: dict[str, str] = {}
 _busy: set[str] = set()
+_tfdist_imports_running = 0
+_waiting: list[tuple[str, Callable[[], None]]] = []  # hooks held until no tfdist module is being imported
 _lock = threading.RLock()
 _armed = False
 _TFDIST_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -112,7 +117,8 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname in _aliases:
             return importlib.util.spec_from_loader(fullname, _AliasLoader(_aliases[fullname]))
-        if fullname not in _after_import or fullname in _busy:
+        is_tfdist = fullname.startswith("tfdist.")
+        if not (is_tfdist or fullname in _after_import) or fullname in _busy:
             return None
         _busy.add(fullname)
         try:
@@ -121,11 +127,11 @@ class _Finder(importlib.abc.MetaPathFinder):
             _busy.discard(fullname)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _NotifyingLoader(spec.loader, fullname)
+        spec.loader = (_TfdistLoader if is_tfdist else _NotifyingLoader)(spec.loader, fullname)
         return spec
 
 
-class _NotifyingLoader(importlib.abc.Loader):
+class _WrappingLoader(importlib.abc.Loader):
     def __init__(self, loader, name: str):
         self.loader, self.name = loader, name
 
@@ -135,13 +141,42 @@ class _NotifyingLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__spec__.loader = module.__loader__ = self.loader  # leave no trace in the module
         self.loader.exec_module(module)
-        with _lock:
-            callbacks = _after_import.pop(self.name, [])
-        for callback in callbacks:
-            _call(self.name, callback)
 
     def __getattr__(self, attribute):
         return getattr(self.loader, attribute)
+
+
+class _NotifyingLoader(_WrappingLoader):
+    """Runs a watched module's hooks once it has executed (later, if a tfdist import is under way)."""
+
+    def exec_module(self, module):
+        super().exec_module(module)
+        with _lock:
+            callbacks = _after_import.pop(self.name, [])
+            if _tfdist_imports_running:
+                _waiting.extend((self.name, callback) for callback in callbacks)
+                return
+        for callback in callbacks:
+            _call(self.name, callback)
+
+
+class _TfdistLoader(_WrappingLoader):
+    """Counts the tfdist imports under way; the last to finish runs the hooks that waited for it."""
+
+    def exec_module(self, module):
+        global _tfdist_imports_running
+        with _lock:
+            _tfdist_imports_running += 1
+        try:
+            super().exec_module(module)
+        finally:
+            with _lock:
+                _tfdist_imports_running -= 1
+                ready = [] if _tfdist_imports_running else _waiting[:]
+                if ready:
+                    _waiting.clear()
+            for name, callback in ready:
+                _call(name, callback)
 
 
 class _AliasLoader(importlib.abc.Loader):

@@ -464,3 +464,16 @@ def checkpoint_data():
 def checkpoint_state(model) -> list[list]:
     """The weights, then the optimizer's variables, whole (a sharded slot is gathered: every worker calls it)."""
     return [np.asarray(v).tolist() for v in model.weights] + [np.asarray(v).tolist() for v in model.optimizer.variables]
+
+
+def fit_two_steps_saying_when_the_first_began(model, dataset) -> None:
+    """``fit`` of 2 steps that prints "worker N began its first step" (the file-check jobs: it must never print)."""
+    import keras
+
+    import tfdist
+
+    class FirstStep(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            print(f"worker {tfdist.rank()} began its first step", flush=True)
+
+    model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[FirstStep()])

@@ -47,11 +47,7 @@ if mode == "list":
     finally:
         print(f"worker {tfdist.rank()} built or failed in {time.monotonic() - started:.1f} s", flush=True)
 
-    class FirstStep(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            print(f"worker {tfdist.rank()} began its first step", flush=True)
-
-    model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[FirstStep()])
+    common.fit_two_steps_saying_when_the_first_began(model, dataset)
     sys.exit(0)
 
 FORMS = {
