@@ -159,6 +159,33 @@ def test_pattern_matching_no_file(tmp_path):
         data.tfrecord_dataset(str(tmp_path / "nothing-*"), batch_size=4)
 
 
+@pytest.mark.parametrize("spelling", ["./d/x-*.tfrecord", "{tmp}/d/x-*.tfrecord", "d//x-*.tfrecord"])
+def test_a_file_named_two_ways_is_read_once_an_epoch(tmp_path, monkeypatch, spelling):
+    """"d/x-0" and a pattern spelled "./d/x-*" (or absolute) name one file: it was read twice each epoch."""
+    data.write_tfrecords({"label": np.arange(10)}, str(tmp_path / "d"), num_shards=2, prefix="x")
+    monkeypatch.chdir(tmp_path)
+    labels = read_all(["d/x-00000-of-00002.tfrecord", spelling.format(tmp=tmp_path)])["label"].tolist()
+    assert sorted(labels) == list(range(10))
+
+
+@pytest.mark.parametrize("typo", ["d/typo-*.tfrecord", "d/x-0000[7-9]-*"])
+def test_a_pattern_of_a_list_that_matches_no_file_is_refused_naming_it(tmp_path, monkeypatch, typo):
+    """It was dropped silently, on every worker alike: the dataset read fewer files."""
+    data.write_tfrecords({"label": np.arange(10)}, str(tmp_path / "d"), num_shards=2, prefix="x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=rf"^file_pattern=\['d/x-00000-of-00002\.tfrecord', '{re.escape(typo)}'\] "
+                                                rf"names '{re.escape(typo)}', which matches no file\.$"):
+        data.tfrecord_dataset(["d/x-00000-of-00002.tfrecord", typo], batch_size=2)
+
+
+def test_a_file_whose_name_starts_with_a_dot_is_read_when_named_and_left_out_by_a_pattern(tmp_path):
+    data.write_tfrecords({"label": np.arange(3)}, str(tmp_path), num_shards=1, prefix=".hidden")
+    data.write_tfrecords({"label": np.arange(3, 5)}, str(tmp_path), num_shards=1, prefix="shown")
+    named = str(tmp_path / ".hidden-00000-of-00001.tfrecord")
+    assert read_all(named)["label"].tolist() == [0, 1, 2]
+    assert read_all(str(tmp_path / "*.tfrecord"))["label"].tolist() == [3, 4]
+
+
 def test_every_form_of_file_list_reads_the_same_records(tmp_path):
     """A pattern, a list of names (in any order), a list of patterns, a tf.data.Dataset.list_files (shuffled)."""
     written = data.write_tfrecords({"label": np.arange(20)}, str(tmp_path), num_shards=4)

@@ -226,6 +226,8 @@ def lagging_work(tmp_path_factory):
 
 
 MISSING = "worker 1 does not see 'train-00003-of-00004.tfrecord' (8 records)"
+EMPTY = ("worker 1 (from file_pattern=[]) lists 0 files (0 records), worker 0 lists 4 (32 records): worker 1 does not see "
+         "'train-00000-of-00004.tfrecord' (8 records)")
 
 
 def test_a_worker_whose_file_list_is_one_shorter_stops_the_job_in_seconds_naming_the_worker_and_the_file(
@@ -246,17 +248,38 @@ def test_a_worker_whose_file_list_is_one_shorter_stops_the_job_in_seconds_naming
 
 def test_every_form_of_file_list_that_differs_is_named_in_seconds_and_the_next_dataset_meets_its_peers(
         lagging_work, tmp_path):
-    """A pattern, a list of names, a list of patterns that differs per worker, a tf.data.Dataset.list_files: every
+    """A pattern, a list of names, a list of patterns that differs per worker, a tf.data.Dataset.list_files, a list
+    empty on worker 1 (it raised there before the check, and worker 0 waited out the hang timeout): every
     worker raises the same message within seconds; then a dataset both list alike reads every record once."""
     result = run_job("file_forms_job.py", tmp_path, str(lagging_work), "forms", timeout=200).check()
     shown = {"pattern": "'shards/train-*.tfrecord'",
              "list": "['shards/train-00000-of-00004.tfrecord', 'shards/train-00001-of-00004.tfrecord', "
                      "'shards/train-00002-of-00004.tfrecord', 'shards/train-00003-of-00004.tfrecord']",
              "patterns": "['shards/train-0000[0-1]-*', 'shards/train-0000[2-3]-*']"}
-    for form in ("pattern", "list", "patterns", "list_files"):
+    for form in ("pattern", "list", "patterns", "list_files", "empty"):
         messages = [result.results[rank][form][0] for rank in (0, 1)]
         assert messages[0] == messages[1], (form, messages)
-        assert MISSING in messages[0] and messages[0].startswith(
+        assert (MISSING if form != "empty" else EMPTY) in messages[0] and messages[0].startswith(
             f"tfrecord_dataset(file_pattern={shown.get(form, shown['list'])}) lists other files"), (form, messages[0])
         assert max(result.results[rank][form][1] for rank in (0, 1)) < 20, form
     assert sorted(result.results[0]["after"] + result.results[1]["after"]) == [i for i in range(32) if i % 4 != 3]
+
+
+@pytest.mark.timeout(60)
+def test_files_of_the_same_names_and_counts_holding_other_records_differ(tmp_path, kv, monkeypatch):
+    """Worker 0 builds train then val, worker 1 val then train: both splits written by write_tfrecords with the same
+    prefix, shard count and record counts. Names and counts alike, the n-th builds passed the check and the workers
+    would have read different data; the first record's stored checksum tells the files apart."""
+    monkeypatch.setattr(agreement, "_calls", PerThread())
+    listed = {}
+    for split, first in (("train", 0), ("val", 100)):
+        written = data.write_tfrecords({"label": np.arange(first, first + 8)}, str(tmp_path / split), num_shards=2)
+        checks = [data.check_file(path) for path in written.paths]
+        listed[split] = sorted(zip(agreement.relative_names([written.pattern], written.paths),
+                                   [c.num_records for c in checks], [c.first_crc for c in checks]))
+    assert [name for name, *_ in listed["train"]] == [name for name, *_ in listed["val"]]
+    errors = as_workers([listed["train"], listed["val"]], sources=["'train/data-*'", "'val/data-*'"])
+    assert errors[0] == errors[1] and (
+        "worker 1 (from file_pattern='val/data-*') lists 2 files (8 records), worker 0 lists 2 (8 records): "
+        "worker 1's 'data-00000-of-00002.tfrecord', 'data-00001-of-00002.tfrecord' begin(s) with another record than "
+        "worker 0's. Worker(s) [1] list no file that worker 0 lists: if that is another dataset") in errors[0], errors[0]

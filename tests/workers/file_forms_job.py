@@ -6,7 +6,8 @@ worker 1 the first 3 (its listing lags by one shard). ``MODE``:
 - ``list``: every worker passes ``sorted(tf.io.gfile.glob(...))`` of what it sees, so worker 1's list is one
   shorter, and fits: the build must stop every worker before the first step, within seconds.
 - ``forms``: every worker builds one sharded dataset per form (a pattern, a list of names, a list of patterns that
-  differ per worker, a ``tf.data.Dataset.list_files``), records the error each build raised and how long it took,
+  differ per worker, a ``tf.data.Dataset.list_files``, a list that is empty on worker 1: its glob found nothing yet),
+  records the error each build raised and how long it took,
   then builds and reads a dataset that every worker lists alike (the checks that failed must not shift the next
   one's key), and writes its results.
 
@@ -56,6 +57,7 @@ FORMS = {
     "patterns": ["shards/train-0000[0-1]-*", "shards/train-0000[2-3]-*"] if tfdist.rank() == 0
     else ["shards/train-0000[0-1]-*", "shards/train-00002-*"],
     "list_files": tf.data.Dataset.list_files("shards/train-*.tfrecord"),  # shuffled: another order per worker
+    "empty": listed if tfdist.rank() == 0 else [],
 }
 results = {}
 for form, file_pattern in FORMS.items():

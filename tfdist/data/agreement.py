@@ -9,8 +9,9 @@ anyway and is told how: a key made of what is checked (the patterns, the files, 
 peer, and every worker would wait out the hang timeout.
 
 ``check_same_files`` (issues 43, 49): before a dataset sharded over the workers reads anything, every worker
-publishes a digest of the files it lists (names relative to the patterns' directory, and record counts) and
-reads its peers'. Equal digests end it: one small entry per worker. When they differ, every worker publishes
+publishes a digest of the files it lists (names relative to the patterns' directory, record counts, and the
+stored checksum of each file's first record, so that files of the same names and sizes holding other records,
+another split or a stale copy, differ too) and reads its peers'. Equal digests end it: one small entry per worker. When they differ, every worker publishes
 its whole list, and every worker raises the same DataError, naming the workers and the files that differ. A
 worker that could not list its files (none match, a damaged file) publishes that instead, and its peers stop
 at once too. A peer that does not publish within the hang timeout (``TFDIST_HANG_TIMEOUT``, 600 s by default)
@@ -40,7 +41,7 @@ _SHOWN_NAMES = 4  # a list of patterns longer than this is shown by its first an
 # This process's calls so far, per kind: the n-th call of a kind is one call on every worker.
 _calls: collections.Counter = collections.Counter()
 
-FileList = Sequence[Sequence]  # [(name, records), ...] sorted by name
+FileList = Sequence[Sequence]  # [(name, records, first record's checksum), ...] sorted by name (the checksum optional)
 
 
 def call_key(kind: str, env: Mapping[str, str] | None = None) -> str:
@@ -83,7 +84,8 @@ def check_same_files(source: str, files: FileList | Exception, rank: int, size: 
 
     Args:
         source: the dataset's ``file_pattern`` as messages show it (``shown``); it may differ per worker.
-        files: this worker's ``(name, records)`` pairs, names relative to the patterns' directory, sorted; or the
+        files: this worker's ``(name, records, first_crc)`` entries, names relative to the patterns' directory,
+            sorted (``first_crc`` may be left out); or the
             error that listing them raised here (published so that the peers stop at once; the caller re-raises).
         rank: this worker's rank; size: the job's worker count.
         timeout_s: how long to wait for the peers; None: the hang timeout (its default when turned off).
@@ -102,7 +104,7 @@ def check_same_files(source: str, files: FileList | Exception, rank: int, size: 
         if rank == 0:  # it holds the store: its peers read the failure first (or a few seconds pass)
             _wait_for_peers(base, "digest", size, timeout_s)
         return
-    files = [[name, int(count)] for name, count in files]
+    files = [[name, *(int(value) for value in rest)] for name, *rest in files]
     mine = json.dumps({"source": source, "digest": hashlib.sha256(json.dumps(files).encode()).hexdigest()})
     kvstore.put(f"{base}/digest/{rank}", mine)
     digests = {peer: json.loads(value) for peer, value in _gather(base, "digest", rank, size, mine, timeout_s,
@@ -169,24 +171,29 @@ def differences(sources: Mapping[int, str], lists: Mapping[int, FileList]) -> st
         sources: each worker's ``file_pattern``, as shown (``shown``).
         lists: each worker's ``(name, records)`` pairs.
     """
-    reference = {name: count for name, count in lists[0]}
+    reference = {name: list(rest) for name, *rest in lists[0]}
     told, other_sources = [], []
     for rank in sorted(lists):
-        theirs = {name: count for name, count in lists[rank]}
+        theirs = {name: list(rest) for name, *rest in lists[rank]}
         if rank == 0 or theirs == reference:
             continue
-        missing = [f"{name!r} ({reference[name]} records)" for name in sorted(reference) if name not in theirs]
-        extra = [f"{name!r} ({theirs[name]} records)" for name in sorted(theirs) if name not in reference]
-        recount = [f"{theirs[name]} records in {name!r}, worker 0 {reference[name]}" for name in sorted(theirs)
-                   if name in reference and theirs[name] != reference[name]]
+        common = sorted(set(theirs) & set(reference))
+        missing = [f"{name!r} ({reference[name][0]} records)" for name in sorted(reference) if name not in theirs]
+        extra = [f"{name!r} ({theirs[name][0]} records)" for name in sorted(theirs) if name not in reference]
+        recount = [f"{theirs[name][0]} records in {name!r}, worker 0 {reference[name][0]}" for name in common
+                   if theirs[name][0] != reference[name][0]]
+        other = [repr(name) for name in common
+                 if theirs[name][0] == reference[name][0] and theirs[name] != reference[name]]
         parts = ([f"worker {rank} does not see {_some(missing)}"] if missing else []) + (
             [f"worker {rank} sees {_some(extra)}, which worker 0 does not"] if extra else []) + (
-            [f"worker {rank} counts {_some(recount)}"] if recount else [])
-        elsewhere = not set(theirs) & set(reference)  # nothing alike: maybe another dataset altogether
+            [f"worker {rank} counts {_some(recount)}"] if recount else []) + (
+            [f"worker {rank}'s {_some(other)} begin(s) with another record than worker 0's"] if other else [])
+        elsewhere = not any(theirs[name] == reference[name] for name in common)  # maybe another dataset altogether
         given = f" (from file_pattern={sources[rank]})" if elsewhere and sources[rank] != sources[0] else ""
         other_sources += [rank] if given else []
-        told.append(f"worker {rank}{given} lists {len(theirs)} files ({sum(theirs.values())} records), worker 0 "
-                    f"lists {len(reference)} ({sum(reference.values())} records): " + "; ".join(parts))
+        told.append(f"worker {rank}{given} lists {len(theirs)} files ({sum(v[0] for v in theirs.values())} records), "
+                    f"worker 0 lists {len(reference)} ({sum(v[0] for v in reference.values())} records): "
+                    + "; ".join(parts))
     if not told:
         return None
     more = f"; and {len(told) - _SHOWN} more worker(s) differ from worker 0" if len(told) > _SHOWN else ""

@@ -109,8 +109,9 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
         skip_corrupt: skip damaged data (keeping a damaged file's records before the
             damage) with a warning that counts it, instead of raising. Files are checked
             record header by record header when the dataset is built; a damaged record
-            payload only shows when it is read: then it is skipped and logged, or, without
-            skip_corrupt, TensorFlow stops the epoch with DataLossError.
+            payload only shows when it is read: then TensorFlow's reader gives up the rest of
+            that file's run in the pipeline (the damaged record and those after it, uncounted
+            by the warning), or, without skip_corrupt, stops the epoch with DataLossError.
 
     Returns:
         A ``tf.data.Dataset`` of batches.
@@ -126,9 +127,7 @@ def tfrecord_dataset(file_pattern: FilePattern, *, batch_size: int,
     batch = per_pipeline_batch_size(batch_size, input_context)
     _check_arguments(shuffle_buffer, image_size, repeat, seed, cache)
     pipelines = input_context.num_input_pipelines if input_context else 1
-    patterns = _patterns(file_pattern)
-    source = agreement.shown(file_pattern if isinstance(file_pattern, (str, list, tuple)) else sorted(patterns))
-    paths, counts = _listed_alike_on_every_worker(patterns, source, skip_corrupt, pipelines)
+    paths, counts, source = _listed_alike_on_every_worker(file_pattern, skip_corrupt, pipelines)
     if repeat and sum(counts) < pipelines:  # a pipeline with no record would look for one epoch after epoch
         raise DataError(f"file_pattern={source} holds {sum(counts)} record(s), fewer than the {pipelines} input "
                         "pipelines: with repeat, every pipeline needs one at least. Write more records, or read with "
@@ -237,7 +236,7 @@ def _check_arguments(shuffle_buffer: int, image_size, repeat, seed, cache) -> No
 
 def _patterns(file_pattern) -> list[str]:
     """The patterns (or file names) that ``file_pattern`` gives: a str, a sequence of them, or a
-    ``tf.data.Dataset`` of file names (``tf.data.Dataset.list_files``).
+    ``tf.data.Dataset`` of file names (``tf.data.Dataset.list_files``); empty for an empty sequence or dataset.
 
     Raises:
         DataError: anything else, or a dataset that is endless or holds other than scalar strings.
@@ -247,6 +246,8 @@ def _patterns(file_pattern) -> list[str]:
     if isinstance(file_pattern, tf.data.Dataset):
         spec = file_pattern.element_spec
         if not (isinstance(spec, tf.TensorSpec) and spec.dtype == tf.string and spec.shape.rank == 0):
+            if file_pattern.cardinality() == 0:  # from_tensor_slices([]) yields float32: a list that found nothing
+                return []
             raise DataError(f"file_pattern as a tf.data.Dataset must yield file names (scalar strings, as "
                             f"tf.data.Dataset.list_files does): received one of {spec}.")
         if file_pattern.cardinality() == tf.data.INFINITE_CARDINALITY:
@@ -254,29 +255,48 @@ def _patterns(file_pattern) -> list[str]:
                             "once; repeat=True repeats the records.")
         return [name.decode() for name in file_pattern.as_numpy_iterator()]
     patterns = list(file_pattern) if isinstance(file_pattern, (list, tuple)) else None
-    if not patterns or not all(isinstance(pattern, (str, os.PathLike)) for pattern in patterns):
+    if patterns is None or not all(isinstance(pattern, (str, os.PathLike)) for pattern in patterns):
         raise DataError(f"file_pattern must be a glob pattern, a non-empty list of patterns or file names, or a "
                         f"tf.data.Dataset of file names: received file_pattern={file_pattern!r}.")
     return [os.fspath(pattern) for pattern in patterns]
 
 
-def _list_files(patterns: list[str], source: str) -> list[str]:
-    """The files ``patterns`` match (a name without glob characters must exist); ``source``: how messages show
-    them."""
-    paths = set()
+def _list_files(patterns: list[str]) -> tuple[list[str], list[str]]:
+    """The files ``patterns`` match, each once however it is spelled, and the patterns that match none (a name
+    without glob characters must exist). Names starting with "." that a glob matches are left out; a file
+    named exactly is read."""
+    paths, unmatched = {}, []
     for pattern in patterns:
-        found = tf.io.gfile.glob(pattern) or ([pattern] if tf.io.gfile.exists(pattern) else [])  # "a[1].tfrecord"
-        if not found and not any(c in pattern for c in "*?["):
-            raise FileNotFoundError(f"file_pattern={source} names {pattern!r}, which does not exist.")
-        paths.update(path for path in found
-                     if not os.path.basename(path).startswith(".") and not tf.io.gfile.isdir(path))
-    paths = sorted(paths)
-    if not paths:
-        raise FileNotFoundError(f"file_pattern={source} matches no file. Check the directory; shards from "
+        local = "://" not in pattern
+        pattern = os.path.normpath(pattern) if local else pattern  # tf.io.gfile.glob never matches "d//x-*"
+        is_glob = any(c in pattern for c in "*?[")
+        found = tf.io.gfile.glob(pattern) if is_glob else []
+        found = found or ([pattern] if tf.io.gfile.exists(pattern) else [])  # "a[1].tfrecord" is a name too
+        found = [path for path in found if not (is_glob and os.path.basename(path).startswith("."))
+                 and not tf.io.gfile.isdir(path)]
+        unmatched += [pattern] if not found else []
+        for path in found:  # one file named twice ("d/x-0" and "./d/x-*") is read once
+            path = os.path.normpath(path) if local else path
+            key = os.path.abspath(path) if local else path
+            paths[key] = min(paths.get(key, path), path)
+    return sorted(paths.values()), unmatched
+
+
+def _refuse_unmatched(patterns: list[str], unmatched: list[str], source: str) -> None:
+    """Raises for an empty ``file_pattern`` or patterns that match no file."""
+    if not patterns:
+        raise DataError(f"file_pattern must be a glob pattern, a non-empty list of patterns or file names, or a "
+                        f"tf.data.Dataset of file names: received file_pattern={source}.")
+    if len(unmatched) == len(patterns):
+        named = "" if len(patterns) == 1 else f" (no name or pattern of it: {unmatched})"
+        raise FileNotFoundError(f"file_pattern={source} matches no file{named}. Check the directory; shards from "
                                 "write_tfrecords are named like 'DIR/data-00000-of-00016.tfrecord' "
                                 "(pattern 'DIR/data-*.tfrecord').")
-    _refuse_shards_being_written(paths)
-    return paths
+    if unmatched:
+        one = len(unmatched) == 1
+        globs = any(c in pattern for pattern in unmatched for c in "*?[")
+        what = ("matches no file" if one else "match no file") if globs else ("does not exist" if one else "do not exist")
+        raise FileNotFoundError(f"file_pattern={source} names {', '.join(map(repr, unmatched))}, which {what}.")
 
 
 def _refuse_shards_being_written(paths: list[str]) -> None:
@@ -292,8 +312,8 @@ def _refuse_shards_being_written(paths: list[str]) -> None:
                                 f"write. If no write is running (one was killed), delete {temp}.")
 
 
-def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], list[int]]:
-    """The files holding records, each with how many complete records it holds."""
+def _readable_files(paths: list[str], skip_corrupt: bool) -> list[records.FileCheck]:
+    """The checks of the files holding records (how many complete records each holds)."""
     checks = [records.check_file(path) for path in paths]
     damaged = [check for check in checks if check.problem]
     if damaged and not skip_corrupt:
@@ -306,28 +326,40 @@ def _readable_files(paths: list[str], skip_corrupt: bool) -> tuple[list[str], li
         warnings.warn(f"skip_corrupt=True: skipped damaged data in {len(damaged)} of {len(paths)} file(s), "
                       f"keeping {kept} record(s) from before the damage: "
                       + "; ".join(f"{check.path} ({check.problem})" for check in damaged), stacklevel=3)
-    counts = {check.path: check.num_records for check in checks if check.num_records}
-    if not counts:
+    kept = [check for check in checks if check.num_records]
+    if paths and not kept:
         raise DataError(f"No file of {paths} holds a readable record.")
-    return list(counts), list(counts.values())
+    return kept
 
 
-def _listed_alike_on_every_worker(patterns: list[str], source: str, skip_corrupt: bool,
-                                  pipelines: int) -> tuple[list[str], list[int]]:
-    """``_readable_files`` of the ``patterns`` (``source``: as messages show them); sharded over the workers of a
-    multi-worker job, once every worker listed the same files with the same record counts
-    (``agreement.check_same_files``)."""
+def _listed_alike_on_every_worker(file_pattern, skip_corrupt: bool,
+                                  pipelines: int) -> tuple[list[str], list[int], str]:
+    """The files ``file_pattern`` gives that hold records, their record counts, and ``file_pattern`` as messages
+    show it. Sharded over the workers of a multi-worker job, only once every worker listed the same files with
+    the same record counts (``agreement.check_same_files``): a worker whose list differs (shorter, empty, a
+    pattern that matches nothing there) is named, with the files, on every worker."""
     job = cluster_lib.cluster_from_env() if pipelines > 1 else None
-    if job is None or not job.is_multi_worker:
-        return _readable_files(_list_files(patterns, source), skip_corrupt)
+    shared = job is not None and job.is_multi_worker
+    source = repr(file_pattern)
     try:
-        paths, counts = _readable_files(_list_files(patterns, source), skip_corrupt)
-    except Exception as error:  # none match, a damaged file, the filesystem's own error: the peers stop too
-        agreement.check_same_files(source, error, job.worker_index, job.num_workers)
+        patterns = _patterns(file_pattern)
+        source = agreement.shown(file_pattern if isinstance(file_pattern, (str, list, tuple)) else sorted(patterns))
+        paths, unmatched = _list_files(patterns)
+        _refuse_shards_being_written(paths)
+        if not shared:
+            _refuse_unmatched(patterns, unmatched, source)
+        checks = _readable_files(paths, skip_corrupt)
+    except Exception as error:  # a bad argument, a damaged file, the filesystem's own error: the peers stop too
+        if shared:
+            agreement.check_same_files(source, error, job.worker_index, job.num_workers)
         raise
-    names = agreement.relative_names(patterns, paths)
-    agreement.check_same_files(source, sorted(zip(names, counts)), job.worker_index, job.num_workers)
-    return paths, counts
+    if shared:  # what one worker does not see is named on every worker before its own error is raised
+        names = agreement.relative_names(patterns, [check.path for check in checks])
+        agreement.check_same_files(source, sorted(zip(names, (c.num_records for c in checks),
+                                                      (c.first_crc for c in checks))),
+                                   job.worker_index, job.num_workers)
+        _refuse_unmatched(patterns, unmatched, source)
+    return [check.path for check in checks], [check.num_records for check in checks], source
 
 
 def _warn_if_record_level(num_files: int, pipelines: int) -> None:

@@ -70,29 +70,35 @@ class FileCheck:
     path: str
     num_records: int  # complete records before any damage
     problem: str | None = None
+    first_crc: int | None = None  # the stored checksum of the first record's payload: what the file holds, cheaply
 
 
 def check_file(path: str) -> FileCheck:
-    """Walks the record headers of one TFRecord file (payload checksums are not read)."""
+    """Walks the record headers of one TFRecord file (payload checksums are read, not checked, for the first
+    record only: ``FileCheck.first_crc``)."""
     size = tf.io.gfile.stat(path).length
-    count, offset = 0, 0
+    count, offset, first_crc = 0, 0, None
     with tf.io.gfile.GFile(path, "rb") as f:
         while offset < size:
             header = f.read(_HEADER.size)
             if len(header) < _HEADER.size:
-                return FileCheck(path, count, f"truncated: {len(header)} stray bytes at the end (byte {offset})")
+                return FileCheck(path, count, f"truncated: {len(header)} stray bytes at the end (byte {offset})",
+                                 first_crc)
             length, length_crc = _HEADER.unpack(header)
             if _masked_crc32c(header[:8]) != length_crc:
                 what = "not a TFRecord file" if count == 0 else f"corrupted record header at byte {offset}"
-                return FileCheck(path, count, what)
+                return FileCheck(path, count, what, first_crc)
             end = offset + _HEADER.size + length + _FOOTER_BYTES
             if end > size:
                 return FileCheck(path, count, f"truncated: record {count} at byte {offset} needs "
-                                              f"{end - offset} bytes, the file ends at byte {size}")
+                                              f"{end - offset} bytes, the file ends at byte {size}", first_crc)
+            if count == 0:
+                f.seek(end - _FOOTER_BYTES)
+                first_crc = int.from_bytes(f.read(_FOOTER_BYTES), "little")
             offset = end
             f.seek(offset)
             count += 1
-    return FileCheck(path, count)
+    return FileCheck(path, count, None, first_crc)
 
 
 def first_record(path: str) -> bytes:
