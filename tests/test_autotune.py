@@ -96,7 +96,10 @@ def test_a_tie_keeps_the_earlier_candidate(monkeypatch):
 
 
 def test_the_switches(monkeypatch):
-    assert autotune.enabled() is True
+    """Off unless asked for (issue 52: its trials cost a new job's first steps more than its choice won back)."""
+    monkeypatch.setattr(autotune, "_switch", None)
+    assert autotune.enabled({}) is False
+    assert autotune.enabled({autotune.ENV: "1"}) is True
     assert autotune.enabled({autotune.ENV: "0"}) is False
     monkeypatch.setenv(autotune.ENV, "0")
     autotune.set_autotune(True)
@@ -105,7 +108,8 @@ def test_the_switches(monkeypatch):
 
 def test_a_bad_switch_names_the_value_and_the_fix():
     with pytest.raises(ValueError, match=r"TFDIST_AUTOTUNE='yes': set it to 1 \(tune the gradient buckets while "
-                                         r"training, the default\) or 0 \(keep the default buckets\), or unset it\."):
+                                         r"training\) or 0 \(keep the default buckets, as when it is unset\), or "
+                                         r"unset it\."):
         autotune.enabled({autotune.ENV: "yes"})
     with pytest.raises(TypeError, match=r"set_autotune takes True or False; received enabled='off'\."):
         autotune.set_autotune("off")

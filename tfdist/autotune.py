@@ -17,8 +17,10 @@ for its fusion threshold; PyTorch DDP rebuilds its buckets after the first itera
 * The chief prints the choice and its step times once, and writes them to ``file_path()``,
   keyed by the workers' hosts and the gradients' sizes: a later run with the same key
   applies the recorded choice without measuring.
-* Off with ``TFDIST_AUTOTUNE=0`` or ``set_autotune(False)``; a bucket size you set
-  (``TFDIST_BUCKET_BYTES``, ``tfdist.set_bucket_bytes``) is never tuned.
+* Off by default (issue 52): on the links measured it chose within 0.98-1.03 of the best fixed setting,
+  and its ~150 steps of trials (a trace per candidate) cost a new job more than that won back
+  (benchmarks/RESULTS.md). On with ``TFDIST_AUTOTUNE=1`` or ``set_autotune(True)``; a bucket size you
+  set (``TFDIST_BUCKET_BYTES``, ``tfdist.set_bucket_bytes``) is never tuned.
 
 The Keras wiring (which train function, when) is ``tfdist.keras_fixes.autotune_fit``.
 """
@@ -52,7 +54,7 @@ _chosen: dict[str, "Choice"] = {}  # key -> the choice this process made or reus
 
 
 def set_autotune(enabled: bool) -> None:
-    """Turns autotuning of the gradient buckets on or off for this process (default: ``TFDIST_AUTOTUNE``, else on).
+    """Turns autotuning of the gradient buckets on or off for this process (default: ``TFDIST_AUTOTUNE``, else off).
 
     Call it before ``fit``, with the same value on every worker.
 
@@ -66,7 +68,7 @@ def set_autotune(enabled: bool) -> None:
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether autotune is on: ``set_autotune``, else ``TFDIST_AUTOTUNE`` (``0`` turns it off), else on.
+    """Whether autotune is on: ``set_autotune``, else ``TFDIST_AUTOTUNE`` (``1`` turns it on), else off.
 
     Raises:
         ValueError: ``TFDIST_AUTOTUNE`` is neither 0 nor 1.
@@ -75,9 +77,9 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
         return _switch
     raw = (os.environ if environ is None else environ).get(ENV, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={raw!r}: set it to 1 (tune the gradient buckets while training, the default) or 0 "
-                         "(keep the default buckets), or unset it.")
-    return raw != "0"
+        raise ValueError(f"{ENV}={raw!r}: set it to 1 (tune the gradient buckets while training) or 0 (keep the "
+                         "default buckets, as when it is unset), or unset it.")
+    return raw == "1"
 
 
 @dataclasses.dataclass(frozen=True)
