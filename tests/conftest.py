@@ -14,6 +14,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet start-up logs, here 
 os.environ.setdefault("TFDIST_AUTOTUNE", "0")
 
 LOGICAL_CPUS = 4
+# The quick tier, for edits (`bash tests/run.sh -m quick`, about 4 minutes on 2 cores): these modules' tests, each
+# module under ~16 s in the whole suite's --durations. A module that starts clusters for many cases stays out.
+QUICK_MODULES = frozenset(f"test_{name}" for name in (
+    "async_checkpoint", "bad_inputs", "buckets", "cli_reference", "data", "data_convert", "data_exactly_once",
+    "data_sharding", "data_shares", "docs", "doctor", "horovod", "horovod_join", "horovod_multi_worker", "hostlist",
+    "install", "keras_callbacks", "keras_distribution", "keras_regressions", "kubernetes", "layers", "loss_scaling",
+    "mixed_training", "own_tf_config", "precision", "precision_multi_worker", "ray_fixes", "replica_state",
+    "save_rounds", "strategy", "tf_fixes", "wire"))
 
 
 def pytest_configure(config):
@@ -21,6 +29,12 @@ def pytest_configure(config):
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")

@@ -25,4 +25,4 @@ tar -C "$ROOT" --exclude=./tfdist --exclude=./.git --exclude=./.venv --exclude=.
 cd "$STAGE/tree"
 # What tests/test_install.py checks the installed package against.
 export TFDIST_SOURCE="$ROOT" TFDIST_DIST_DIR="$STAGE/dist"
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -99,3 +99,10 @@ def test_every_option_the_docs_give_a_command_exists():
                 unknown += [f"{page.name}: tfdist {command} {option}" for option in re.findall(r"--[\w-]+", options)
                             if option not in helps[command]]
     assert unknown == []
+
+
+def test_the_quick_tier_names_test_modules_that_exist():
+    from tests.conftest import QUICK_MODULES
+
+    assert sorted(name for name in QUICK_MODULES if not (REPO / "tests" / f"{name}.py").exists()) == []
+    assert "-m quick" in (REPO / "README.md").read_text()

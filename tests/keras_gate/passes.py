@@ -51,10 +51,12 @@ def environment(with_tfdist: bool, result: pathlib.Path) -> dict[str, str]:
     return env
 
 
-def pytest_command(files: list[str], extra: tuple[str, ...] = ()) -> list[str]:
+def pytest_command(files: list[str], basetemp: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """pytest over ``files``, its temporary directories under ``basetemp`` (never pytest's shared numbered ones,
+    which the suite running the gate, and the other pass beside this one, use too)."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.keras_gate.plugin",
             "--import-mode=importlib", "--continue-on-collection-errors", "-o", f"timeout={TEST_TIMEOUT}",
-            "--no-header", "-rN", *extra, *files]
+            "--no-header", "-rN", f"--basetemp={basetemp}", *extra, *files]
 
 
 def run(root: pathlib.Path, files: list[str], with_tfdist: bool, workers: int = 1, timeout: float = 3600,
@@ -82,7 +84,7 @@ def _run_once(root: pathlib.Path, files: list[str], with_tfdist: bool, workers: 
     name = f"tfdist run -n {workers}" if workers > 1 else "tfdist" if with_tfdist else "plain"
     with tempfile.TemporaryDirectory(prefix="keras-gate-") as scratch:
         result = pathlib.Path(scratch) / "result.json"
-        command = pytest_command(files, extra)
+        command = pytest_command(files, pathlib.Path(scratch) / "tmp", extra)
         if workers > 1:
             command = [sys.executable, "-m", "tfdist.run", "-n", str(workers), "--timeout", str(int(timeout)),
                        "--", sys.executable, "-c", _PER_WORKER, *command[3:]]
@@ -103,9 +105,10 @@ def _run_once(root: pathlib.Path, files: list[str], with_tfdist: bool, workers: 
 
 
 # What each worker of `tfdist run` starts (`python -c _PER_WORKER <pytest arguments>`): pytest, writing its
-# results to a file of its own (the worker's index appended).
-_PER_WORKER = ("import os, sys, pytest; os.environ[{0!r}] += '.' + os.environ['TFDIST_WORKER_INDEX']; "
-               "sys.exit(pytest.main(sys.argv[1:]))").format(plugin.RESULT_ENV)
+# results to a file of its own and keeping its temporary directories in one of its own (the worker's index appended).
+_PER_WORKER = ("import os, sys, pytest; rank = '.' + os.environ['TFDIST_WORKER_INDEX']; os.environ[{0!r}] += rank; "
+               "sys.exit(pytest.main([a + rank if a.startswith('--basetemp=') else a for a in sys.argv[1:]]))"
+               ).format(plugin.RESULT_ENV)
 
 
 def _reports(result: pathlib.Path, workers: int) -> list[dict]:

@@ -11,6 +11,7 @@ Exit status 0 when the gate passes.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import sys
 
 from tests.keras_gate import passes, sdist, selection, verdict
@@ -22,7 +23,8 @@ ON_WORKERS = ("backend/tensorflow/distribute_test.py", "backend/tensorflow/optim
 
 def gate(files: list[str] | None = None, everything: bool = False, workers: int = 1,
          extra: tuple[str, ...] = ()) -> tuple[verdict.Verdict, str]:
-    """Runs the plain pass and the tfdist pass (or ``tfdist run -n workers``) of ``files``; (verdict, report)."""
+    """Runs the plain pass and the tfdist pass (or ``tfdist run -n workers``) of ``files`` side by side;
+    (verdict, report)."""
     root = sdist.keras_tests()
     if not files:
         files = list(ON_WORKERS) if workers > 1 else selection.whole_set(root) if everything else selection.subset()
@@ -30,8 +32,10 @@ def gate(files: list[str] | None = None, everything: bool = False, workers: int 
     if absent:
         raise FileNotFoundError(f"Keras {sdist.installed_keras()} has no test file {absent}: update "
                                 f"tests/keras_gate/selection.py for this Keras (its files are under {root}).")
-    plain = passes.run(root, files, with_tfdist=False, extra=extra)
-    changed = passes.run(root, files, with_tfdist=True, workers=workers, extra=extra)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side: each pass is mostly one busy core
+        plain = pool.submit(passes.run, root, files, with_tfdist=False, extra=extra)
+        changed = pool.submit(passes.run, root, files, with_tfdist=True, workers=workers, extra=extra)
+        plain, changed = plain.result(), changed.result()
     result = verdict.compare(plain, changed)
     return result, f"Keras {sdist.installed_keras()}, {len(files)} test files\n" + verdict.report(plain, changed, result)
 
