@@ -140,7 +140,8 @@ class PowerSGD(Compressor):
 
     def first_q(self, shape, dtype, index: int) -> tf.Tensor:
         """The first Q of the ``index``-th compressed weight: ``[m, r]``, the same on every replica and worker."""
-        n, m = self.matrix_shape(shape, dtype)
+        shape = tf.TensorShape(shape)
+        n, m = shape.num_elements() // shape[-1], shape[-1]
         return tf.random.stateless_normal([m, min(self.rank, n, m)], seed=[self.seed, index], dtype=dtype)
 
     def reduce(self, gradients: Sequence[tf.Tensor], errors: Sequence[tf.Tensor], qs: Sequence[tf.Tensor],

@@ -178,16 +178,17 @@ class _DistributedMixin:
         states = getattr(self, "_tfdist_powersgd", {})
         if context is None or context.num_replicas_in_sync <= 1 or not states:
             return super()._all_reduce_sum_gradients(grads_and_vars)
-        chosen = [i for i, (g, v) in enumerate(grads_and_vars)
-                  if g is not None and not isinstance(g, tf.IndexedSlices) and self._var_key(v) in states]
-        result = super()._all_reduce_sum_gradients(
-            [(None, v) if i in chosen else (g, v) for i, (g, v) in enumerate(grads_and_vars)])
+        chosen = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and self._var_key(v) in states]
+        rest = [(None, v) if i in chosen else (g, v) for i, (g, v) in enumerate(grads_and_vars)]
+        # Keras refuses a call with no gradient at all: with every gradient compressed there is nothing left
+        result = super()._all_reduce_sum_gradients(rest) if any(g is not None for g, _ in rest) else rest
         if not chosen:
             return result
         strategy = tf.distribute.get_strategy()
         pairs = [states[self._var_key(grads_and_vars[i][1])] for i in chosen]
         reduced, errors, qs = self.compression.reduce(
-            [grads_and_vars[i][0] for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
+            # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
+            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
             self.iterations, lambda tensors: _replica_all_reduce(strategy, context, tensors),
             share=1.0 / context.num_replicas_in_sync)
         for (error, q), new_error, new_q in zip(pairs, errors, qs):
