@@ -330,3 +330,47 @@ def test_accumulation_and_sharded_state_are_refused_by_name():
         tfdist.DistributedOptimizer(keras.optimizers.SGD(), 2, compression=powersgd())
     with pytest.raises(tfdist.CompressionError, match="does not work with shard_optimizer_state=True yet"):
         tfdist.DistributedOptimizer(keras.optimizers.SGD(), compression=powersgd(), shard_optimizer_state=True)
+
+
+# tfdist.horovod (one process here: the same PowerSGD.reduce over a process group of size 1) ----------------
+
+@pytest.fixture
+def single_hvd():
+    import tfdist.horovod as hvd
+
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def test_horovod_distributed_optimizer_keeps_the_state_and_spans_exactly_at_full_rank(single_hvd):
+    hvd = single_hvd
+    data = classification_data(256)
+
+    def small():
+        keras.utils.set_random_seed(5)
+        return keras.Sequential([keras.Input((24,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(4)])
+
+    def fit(optimizer):
+        model = small()
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(*data, batch_size=32, epochs=1, verbose=0, shuffle=False)
+        return model
+
+    exact = fit(keras.optimizers.SGD(0.1))
+    full = fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.powersgd(
+        rank=6, start_step=0, min_compression_rate=0)))
+    for got, want in zip(full.get_weights(), exact.get_weights()):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    low = fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=powersgd(rank=1)))
+    states = low.optimizer._tfdist_powersgd
+    assert len(states) == 2 and all(np.abs(e.numpy()).max() > 0 for e, _ in states.values())
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(low.get_weights(), exact.get_weights()))
+
+
+def test_horovod_refuses_what_it_cannot_keep_state_for(single_hvd):
+    hvd = single_hvd
+    with pytest.raises(tfdist.CompressionError, match="hvd.DistributedGradientTape does not take Compression.powersgd"):
+        hvd.DistributedGradientTape(tf.GradientTape(), compression=powersgd())
+    with pytest.raises(tfdist.CompressionError, match="does not work with gradient accumulation yet"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), compression=powersgd(), backward_passes_per_step=2)
