@@ -158,7 +158,8 @@ class _DistributedMixin:
         if compression_lib.is_powersgd(self.compression):
             if sharded_state.is_sharded(self):
                 check_powersgd(self.compression, 1, True)
-            self._tfdist_powersgd = powersgd_state(self, self.compression, variables)
+            # past Keras' attribute tracking: the variables are tracked once, as the optimizer's own
+            object.__setattr__(self, "_tfdist_powersgd", powersgd_state(self, self.compression, variables))
 
     def _all_reduce_sum_gradients(self, grads_and_vars):
         """Keras' all-reduce (every micro-batch when there is no accumulation), through ``compression``."""

@@ -356,15 +356,17 @@ class _AllReduceBeforeUpdate:
         super().build(variables)
         compression = self._tfdist_reduction.compression
         if compression_lib.is_powersgd(compression):
-            self._tfdist_powersgd = optimizer_lib.powersgd_state(self, compression, variables)
+            # past Keras' attribute tracking: the variables are tracked once, as the optimizer's own
+            object.__setattr__(self, "_tfdist_powersgd", optimizer_lib.powersgd_state(self, compression, variables))
 
     def _backend_apply_gradients(self, grads, trainable_variables):
-        # the variables of the gradients _clip_gradients reduces (PowerSGD keeps state per variable)
-        self._tfdist_applying = list(trainable_variables)
+        # The variables of the gradients _clip_gradients reduces (PowerSGD keeps state per variable); set past
+        # Keras' attribute tracking, which would make a list of variables part of what the optimizer saves.
+        object.__setattr__(self, "_tfdist_applying", tuple(trainable_variables))
         try:
             return super()._backend_apply_gradients(grads, trainable_variables)
         finally:
-            self._tfdist_applying = None
+            object.__setattr__(self, "_tfdist_applying", None)
 
     def _clip_gradients(self, grads):
         # Keras calls this once per update, with the gradients about to be applied (after
