@@ -374,3 +374,20 @@ def test_horovod_refuses_what_it_cannot_keep_state_for(single_hvd):
         hvd.DistributedGradientTape(tf.GradientTape(), compression=powersgd())
     with pytest.raises(tfdist.CompressionError, match="does not work with gradient accumulation yet"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), compression=powersgd(), backward_passes_per_step=2)
+
+
+def test_under_a_loss_scale_optimizer_the_state_stays_finite_and_replicas_equal(strategy_of):
+    """The finite check reads the compressed sums (tfdist's bucket path), gradients unscaled on the lossy wire."""
+    strategy = strategy_of(2)
+    x, y = classification_data(256)
+    with strategy.scope():
+        model = mlp()
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=powersgd(rank=2))
+        model.compile(keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0 ** 15),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    assert int(inner.iterations.numpy()) == 4
+    assert_bit_equal_everywhere(strategy, model.weights)
+    for error, q in inner._tfdist_powersgd.values():
+        assert all(np.isfinite(c).all() and np.abs(c).max() > 0 for c in copies(strategy, error))
+        assert all(np.isfinite(c).all() for c in copies(strategy, q))
