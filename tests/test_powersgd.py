@@ -12,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tests.jobs import run_job
+from tests.workers import common
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 
@@ -198,6 +200,52 @@ def test_a_learnable_task_reaches_the_exact_accuracy_within_one_point(strategy_o
             assert len(model.optimizer._tfdist_powersgd) == 2  # 24x64 and 64x64 compressed; 64x4 gains too little
     assert results["exact"] > 0.85, results
     assert results["powersgd"] >= results["exact"] - 0.01, results
+
+
+# Two real workers (tests/workers/powersgd_job.py) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """One 2-worker job: fit with PowerSGD chosen in code, then by ``TFDIST_COMPRESSION`` (both rank 2, start 2)."""
+    return run_job("powersgd_job.py", tmp_path_factory.mktemp("powersgd"), timeout=240,
+                   env={"TFDIST_COMPRESSION": "powersgd:2:2"}).check().results
+
+
+def test_two_workers_train_past_the_warm_up_to_bit_equal_weights_with_their_own_error_feedback(two_workers):
+    first, second = two_workers[0]["explicit"], two_workers[1]["explicit"]
+    assert two_workers[0]["replicas"] == 2
+    assert first["compression"] == repr(Compression.powersgd(rank=2, start_step=2))
+    assert first["iterations"] == 2 * common.POWERSGD_EXAMPLES // common.POWERSGD_BATCH  # 16 steps, 14 compressed
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert first["losses"] == second["losses"] and first["losses"][-1] < 0.8 * first["losses"][0], first["losses"]
+    assert len(first["errors"]) == 2  # the 24x64 and 64x64 kernels (64x4 gains too little at rank 2)
+    for mine, theirs in zip(first["errors"], second["errors"]):
+        assert np.abs(mine).max() > 0 and np.abs(theirs).max() > 0
+        assert not np.array_equal(mine, theirs)  # each worker keeps its own
+
+
+def test_two_workers_equal_two_logical_devices_in_one_process(two_workers, strategy_of):
+    """The same global batch on 2 replicas in one process: each update depends on the replicas' sums alone."""
+    strategy = strategy_of(2)
+    reference, losses = common.train_powersgd(strategy, Compression.powersgd(rank=2, start_step=2))
+    for rank in (0, 1):
+        got = two_workers[rank]["explicit"]
+        for a, b in zip(got["weights"], reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    exact, _ = common.train_powersgd(strategy, Compression.none)  # and compression did change the training
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(exact.get_weights(), reference.get_weights()))
+
+
+def test_two_workers_take_powersgd_from_the_environment(two_workers):
+    """``TFDIST_COMPRESSION=powersgd:2:2`` and a DistributedOptimizer given no compression: the same training."""
+    for rank in (0, 1):
+        explicit, from_env = two_workers[rank]["explicit"], two_workers[rank]["from_env"]
+        assert from_env["compression"] == explicit["compression"]
+        for a, b in zip(from_env["weights"], explicit["weights"]):
+            np.testing.assert_array_equal(a, b)
+        assert from_env["errors"] == explicit["errors"]
 
 
 # Shapes -------------------------------------------------------------------------------------------
