@@ -248,6 +248,18 @@ def test_two_workers_take_powersgd_from_the_environment(two_workers):
         assert from_env["errors"] == explicit["errors"]
 
 
+def test_two_workers_preempted_after_an_epoch_resume_through_backup_and_restore_to_the_uninterrupted_weights(
+        two_workers):
+    """Each worker's error feedback comes back as the workers' total / 2 (see the one-process test below)."""
+    for rank in (0, 1):
+        resumed, whole = two_workers[rank]["resumed"], two_workers[rank]["explicit"]
+        assert resumed["iterations"] == whole["iterations"] and len(resumed["losses"]) == 1
+        for a, b in zip(resumed["weights"], whole["weights"]):
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=1e-6)
+    for a, b in zip(two_workers[0]["resumed"]["weights"], two_workers[1]["resumed"]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
 # Shapes -------------------------------------------------------------------------------------------
 
 def test_conv_kernels_and_vectors_and_an_embeddings_gradient(strategy_of):
@@ -329,6 +341,49 @@ def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_pat
     resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
     for got, want in zip(resumed.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+class _Preempted(Exception):
+    pass
+
+
+class _PreemptAfterEpoch(keras.callbacks.Callback):
+    """Stops the fit at the end of epoch ``epoch`` (after BackupAndRestore, listed before it, saved)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise _Preempted(f"preempted after epoch {epoch}")
+
+
+def test_a_preempted_compressed_fit_resumes_through_backup_and_restore_to_the_uninterrupted_weights(
+        strategy_of, tmp_path):
+    """fit(epochs=2) stopped after epoch 1 (past the warm-up), then a new model and optimizer resume it.
+
+    The error feedback comes back as the replicas' total / N on each (``powersgd_state``): every update depends on
+    the sum alone, so the resumed run equals the uninterrupted one up to float rounding (here 9e-8 one epoch
+    after the resume; the rounding grows as training goes on: 2e-6 two epochs after).
+    """
+    strategy = strategy_of(2)
+    compression = Compression.powersgd(rank=2, start_step=2)
+    whole, whole_losses = common.train_powersgd(strategy, compression, epochs=2)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(_Preempted):
+        common.train_powersgd(strategy, compression, epochs=2,
+                              callbacks=[keras.callbacks.BackupAndRestore(backup), _PreemptAfterEpoch(0)])
+    resumed, resumed_losses = common.train_powersgd(strategy, compression, epochs=2,
+                                                    callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert len(resumed_losses) == 1  # only the second epoch ran
+    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 16
+    assert all(np.abs(c).max() > 0 for error, _ in resumed.optimizer._tfdist_powersgd.values()
+               for c in copies(strategy, error))
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(resumed_losses[0], whole_losses[1], rtol=1e-6)
 
 
 # Choosing it ------------------------------------------------------------------------------------------
