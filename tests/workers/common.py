@@ -511,7 +511,8 @@ def powersgd_model(compression="unset"):
 
 
 def train_powersgd(strategy=None, compression="unset", epochs: int = 2, callbacks=(), model=None):
-    """``fit`` of ``powersgd_model`` on ``powersgd_data`` at POWERSGD_BATCH (unshuffled); returns model, loss history."""
+    """``fit`` of ``powersgd_model`` on ``powersgd_data`` at POWERSGD_BATCH (unshuffled); returns the model and
+    its loss history."""
     import tensorflow as tf
 
     strategy = strategy or tf.distribute.get_strategy()
