@@ -71,6 +71,7 @@ _EXPORTS = {
     "CheckpointManager": "tfdist.checkpoint",
     "CheckpointError": "tfdist.errors",
     "ShardingError": "tfdist.errors",
+    "CompressionError": "tfdist.errors",
     "Compression": "tfdist.compression",
     "set_bucket_bytes": "tfdist.buckets",
     "set_autotune": "tfdist.autotune",

@@ -54,6 +54,9 @@ ENV_SLURM_PORT = "TFDIST_PORT"
 ENV_BUCKET_BYTES = "TFDIST_BUCKET_BYTES"
 # "0": no autotuning of the gradient buckets (tfdist.autotune); and where the chief records its choice.
 ENV_AUTOTUNE = "TFDIST_AUTOTUNE"
+# The gradient compression of optimizers that name none ("none", "fp16", "powersgd:RANK[:START_STEP]"), read by
+# tfdist.compression.from_env; every worker needs the same.
+ENV_COMPRESSION = "TFDIST_COMPRESSION"
 ENV_AUTOTUNE_FILE = "TFDIST_AUTOTUNE_FILE"
 # Seconds a worker may wait in a collective before tfdist.watchdog stops the job (0: never); and the
 # exit code of a worker it stops (tfdist run --hang-timeout sets the variable in every worker).

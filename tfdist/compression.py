@@ -11,13 +11,24 @@ original dtype. Only floating-point tensors are compressed; integers pass unchan
 Compression halves the bytes a float32 all-reduce moves, at float16's precision (about 3
 decimal digits) and range (values beyond 65504 overflow to inf): scale the loss or use
 ``prescale_factor`` when gradients can be that large.
+
+``Compression.powersgd(rank=4)`` (Vogels, Karimireddy and Jaggi, NeurIPS 2019; PyTorch's
+``powerSGD_hook``) is not element-wise: each gradient matrix travels as two thin factors
+(``PowerSGD.reduce``), with error feedback and a warm-started basis kept as optimizer state by
+the optimizer that applies it (``tfdist.DistributedOptimizer``, ``hvd.DistributedOptimizer``).
+Its ``compress``/``decompress`` are the identity: vectors and small tensors travel exact.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import os
+from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
+
+from tfdist.cluster import ENV_COMPRESSION
+from tfdist.errors import CompressionError
 
 
 class Compressor:
@@ -55,11 +66,166 @@ class FP16Compressor(Compressor):
         return tensor
 
 
+class PowerSGD(Compressor):
+    """Low-rank gradient compression with error feedback (PowerSGD); make it with ``Compression.powersgd``.
+
+    Each floating-point gradient whose weight has 2 or more dimensions is seen as a matrix
+    ``[n, m]`` (all dimensions but the last, by the last: a conv kernel ``[kh, kw, in, out]`` is
+    ``[kh*kw*in, out]``) and compressed when ``rank * (n + m) * min_compression_rate < n * m``.
+    Per step and matrix, on every replica (``reduce``)::
+
+        M = g + e                 # e: this replica's error feedback, zeros at first
+        P = allreduce(M @ Q)      # Q: [m, r], kept from the last step (warm start), random at first
+        P = orthonormal(P)        # tf.linalg.qr, on every replica from the same P
+        Q = allreduce(M^T @ P)
+        approx = P @ Q^T          # the same on every replica: the gradient applied
+        e = M - approx * share    # share: this replica's part of the reduced value (1/N for a sum)
+
+    r * (n + m) numbers travel instead of n * m. Vectors, scalars, integer and sparse
+    (``tf.IndexedSlices``, an ``Embedding``'s) gradients, and matrices too small to gain, travel
+    exact. For the first ``start_step`` optimizer steps every gradient travels exact (PyTorch's
+    ``start_powerSGD_iter``) and the error feedback stays zero. Config only: the state (``e``
+    per replica, ``Q``) belongs to the optimizer that applies the gradients, so one
+    ``PowerSGD`` may serve several optimizers.
+
+    Args:
+        rank: r, the columns of each factor: an int >= 1 (capped at min(n, m) per matrix).
+        start_step: optimizer steps with exact all-reduce before compression starts: an int >= 0.
+        min_compression_rate: compress a matrix only when it sends this many times fewer
+            numbers: a number >= 0 (0 compresses every matrix; PyTorch's default is 2).
+        seed: the seed of the first Q (the same on every replica and worker).
+
+    Raises:
+        CompressionError: a bad argument (the message names it and the valid values).
+    """
+
+    def __init__(self, rank: int = 4, start_step: int = 1000, min_compression_rate: float = 2.0, seed: int = 0):
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+            raise CompressionError(f"Compression.powersgd needs rank to be an int >= 1 (e.g. 4); received "
+                                   f"rank={rank!r}.")
+        if not (isinstance(start_step, int) and not isinstance(start_step, bool) and start_step >= 0):
+            raise CompressionError(f"Compression.powersgd needs start_step to be an int >= 0 (the exact steps before "
+                                   f"compression starts; 0: from the first step); received start_step={start_step!r}.")
+        if not (isinstance(min_compression_rate, (int, float)) and not isinstance(min_compression_rate, bool)
+                and math.isfinite(min_compression_rate) and min_compression_rate >= 0):
+            raise CompressionError(f"Compression.powersgd needs min_compression_rate to be a number >= 0 (2: compress "
+                                   f"a matrix when it sends half the numbers or fewer; 0: every matrix); received "
+                                   f"min_compression_rate={min_compression_rate!r}.")
+        if not (isinstance(seed, int) and not isinstance(seed, bool)):
+            raise CompressionError(f"Compression.powersgd needs seed to be an int; received seed={seed!r}.")
+        self.rank, self.start_step, self.min_compression_rate, self.seed = (
+            rank, start_step, float(min_compression_rate), seed)
+
+    def __repr__(self) -> str:
+        return (f"Compression.powersgd(rank={self.rank}, start_step={self.start_step}, "
+                f"min_compression_rate={self.min_compression_rate:g})")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PowerSGD) and repr(self) == repr(other) and self.seed == other.seed
+
+    def __hash__(self) -> int:
+        return hash((repr(self), self.seed))
+
+    def matrix_shape(self, shape, dtype) -> tuple[int, int] | None:
+        """``(n, m)`` when a weight of this static ``shape`` and ``dtype`` has its gradient compressed, else None."""
+        shape = tf.TensorShape(shape)
+        if shape.rank is None or shape.rank < 2 or not shape.is_fully_defined() or not (
+                tf.as_dtype(dtype) in (tf.float32, tf.float64)):
+            return None
+        n, m = shape.num_elements() // shape[-1], shape[-1]
+        if n == 0 or m == 0:
+            return None
+        rank = min(self.rank, n, m)
+        return (n, m) if rank * (n + m) * self.min_compression_rate < n * m else None
+
+    def first_q(self, shape, dtype, index: int) -> tf.Tensor:
+        """The first Q of the ``index``-th compressed weight: ``[m, r]``, the same on every replica and worker."""
+        shape = tf.TensorShape(shape)
+        n, m = shape.num_elements() // shape[-1], shape[-1]
+        return tf.random.stateless_normal([m, min(self.rank, n, m)], seed=[self.seed, index], dtype=dtype)
+
+    def reduce(self, gradients: Sequence[tf.Tensor], errors: Sequence[tf.Tensor], qs: Sequence[tf.Tensor],
+               step: tf.Tensor, allreduce: Callable[[list], list], share: float) -> tuple[list, list, list]:
+        """The reduced gradients of compressible weights, with their new error feedback and Q.
+
+        One implementation for every front: ``allreduce`` sums or averages a list of tensors over
+        the replicas (the caller's collective: a replica context's, a process group's), and
+        ``share`` is this replica's part of its result (1/N for a sum, 1 for a mean). Every
+        gradient in ``gradients`` has a ``matrix_shape``; ``errors`` are this replica's error
+        feedback (the weights' shapes), ``qs`` the Qs. For ``step < start_step`` the gradients
+        are all-reduced exact and the state comes back unchanged. Two collectives a step (all
+        P, then all Q), each one fused call. A non-finite P or Q (an overflow on any replica:
+        the same on all) keeps the old state, so a skipped loss-scaling step does not poison it.
+        """
+        gradients, errors, qs = list(gradients), list(errors), list(qs)
+        if not gradients:
+            return [], [], []
+
+        def exact():
+            return list(allreduce(gradients)), errors, qs
+
+        def compressed():
+            shapes = [g.shape for g in gradients]
+            matrices = [tf.reshape(g, [-1, q.shape[0]]) + tf.reshape(e, [-1, q.shape[0]])
+                        for g, e, q in zip(gradients, errors, qs)]
+            ps = allreduce([tf.matmul(mat, q) for mat, q in zip(matrices, qs)])
+            ps = [tf.linalg.qr(p)[0] for p in ps]
+            new_qs = allreduce([tf.matmul(mat, p, transpose_a=True) for mat, p in zip(matrices, ps)])
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in ps + new_qs])
+            approx = [tf.matmul(p, q, transpose_b=True) for p, q in zip(ps, new_qs)]
+            new_errors = [tf.where(finite, tf.reshape(mat - a * tf.cast(share, a.dtype), e.shape), e)
+                          for mat, a, e in zip(matrices, approx, errors)]
+            kept = [tf.where(finite, new, old) for new, old in zip(new_qs, qs)]
+            return [tf.reshape(a, shape) for a, shape in zip(approx, shapes)], new_errors, kept
+
+        if self.start_step == 0:
+            return compressed()
+        return tf.cond(tf.cast(step, tf.int64) < self.start_step, exact, compressed)
+
+
 class Compression:
-    """The compression choices, by Horovod's names: ``Compression.none`` and ``Compression.fp16``."""
+    """The compression choices: Horovod's ``Compression.none`` and ``Compression.fp16``, and ``Compression.powersgd``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+
+    @staticmethod
+    def powersgd(rank: int = 4, start_step: int = 1000, min_compression_rate: float = 2.0,
+                 seed: int = 0) -> PowerSGD:
+        """Low-rank compression of gradient matrices with error feedback; see ``PowerSGD``."""
+        return PowerSGD(rank, start_step, min_compression_rate, seed)
+
+
+def is_powersgd(compression: Any) -> bool:
+    """Whether ``compression`` is a ``PowerSGD`` (whose state an optimizer keeps)."""
+    return isinstance(compression, PowerSGD)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> type[Compressor] | PowerSGD | None:
+    """The compression ``TFDIST_COMPRESSION`` names, or None when it is unset or empty.
+
+    Values: ``none``, ``fp16``, ``powersgd`` (rank 4), ``powersgd:RANK`` or
+    ``powersgd:RANK:START_STEP`` (default start step 1000, as ``Compression.powersgd``).
+
+    Raises:
+        CompressionError: any other value (the message lists the valid ones).
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_COMPRESSION, "").strip()
+    if not raw:
+        return None
+    name, _, arguments = raw.lower().partition(":")
+    if name in ("none", "fp16") and not arguments:
+        return Compression.none if name == "none" else Compression.fp16
+    if name == "powersgd":
+        parts = arguments.split(":") if arguments else []
+        if len(parts) <= 2 and all(p.isdigit() for p in parts):
+            try:
+                return Compression.powersgd(*(int(p) for p in parts))
+            except CompressionError as error:
+                raise CompressionError(f"{ENV_COMPRESSION}={raw!r}: {error}") from None
+    raise CompressionError(f"{ENV_COMPRESSION}={raw!r} is not a compression tfdist knows; valid values: none, fp16, "
+                           "powersgd, powersgd:RANK, powersgd:RANK:START_STEP (e.g. powersgd:4 or powersgd:4:100), "
+                           "or unset it.")
 
 
 def check(compression: Any) -> type[Compressor] | Compressor:
@@ -70,5 +236,6 @@ def check(compression: Any) -> type[Compressor] | Compressor:
     """
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         raise TypeError(f"compression must be Compression.none, Compression.fp16 or an object with compress(tensor) "
-                        f"and decompress(tensor, context); received {compression!r}.")
+                        f"and decompress(tensor, context) (or Compression.powersgd(rank=...)); received "
+                        f"{compression!r}.")
     return compression

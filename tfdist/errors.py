@@ -118,3 +118,8 @@ class ShardingError(ValueError, TfdistError):
 
 class CheckpointError(TfdistError):
     """A checkpoint could not be saved, committed or restored; the message says which worker, file or variable."""
+
+
+class CompressionError(ValueError, TfdistError):
+    """A gradient compression asked for with a bad value (``Compression.powersgd``'s arguments,
+    ``TFDIST_COMPRESSION``), or one that cannot work with another option; the message lists the valid ones."""

@@ -9,18 +9,23 @@ micro-batches of global size b equals one step at k*b, for any Keras optimizer (
 step count included). ``DistributedOptimizer`` adds Horovod's spelling
 (``backward_passes_per_step``) and ``compression=Compression.fp16``, which all-reduces the
 gradients in float16 (half the bytes; about 3 significant digits) and updates in their
-own dtype.
+own dtype, or ``compression=Compression.powersgd(rank=4)``, which all-reduces two thin factors
+of each gradient matrix with error feedback (``tfdist.compression.PowerSGD``): its state (each
+replica's error feedback, the warm-started Q of each matrix) is optimizer state, built with the
+optimizer's slots and saved with them. ``TFDIST_COMPRESSION`` (``none``, ``fp16``,
+``powersgd:RANK[:START_STEP]``) is the compression of a ``DistributedOptimizer`` given none.
 """
 
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
-from tfdist.errors import KerasCompatibilityError
+from tfdist.errors import CompressionError, KerasCompatibilityError
 from tfdist.keras_fixes import accumulation, gradient_buckets, sharded_state
 from tfdist import patching, sharding
 from tfdist.patching import Patch
@@ -37,7 +42,7 @@ _classes: dict[tuple[type, type], type] = {}
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (Horovod's name)
                          backward_passes_per_step: int = 1,
-                         compression=Compression.none,
+                         compression=None,
                          shard_optimizer_state: bool | None = None) -> keras.optimizers.Optimizer:
     """Returns a copy of ``optimizer`` that accumulates gradients and works under any strategy.
 
@@ -53,7 +58,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
             update (accumulated locally, all-reduced once); 1 disables accumulation. An
             optimizer created with ``gradient_accumulation_steps=k`` means the same.
         compression: ``Compression.none``, or ``Compression.fp16`` to all-reduce the
-            gradients in float16 (opt-in: results differ from float32 by about 1e-3).
+            gradients in float16 (opt-in: results differ from float32 by about 1e-3), or
+            ``Compression.powersgd(rank=...)`` (low-rank factors with error feedback; not with
+            accumulation or sharded state). None: ``TFDIST_COMPRESSION``, else none.
         shard_optimizer_state: True: under N > 1 replicas each keeps 1/N of the optimizer's
             state (ZeRO-1, ``tfdist.keras_fixes.sharded_state``); None: as ``tfdist.scope`` or
             ``TFDIST_SHARD_OPTIMIZER_STATE`` say.
@@ -61,6 +68,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer or is a ``MultiOptimizer``, or ``compression`` is
             not a compression.
+        CompressionError: a bad ``TFDIST_COMPRESSION``; PowerSGD with k > 1 or sharded state.
         ValueError: k is not a positive int, disagrees with the optimizer's own
             ``gradient_accumulation_steps``, or the optimizer was already built.
         KerasCompatibilityError: k > 1 with a Keras whose accumulation tfdist cannot fix.
@@ -84,9 +92,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
             f"backward_passes_per_step={steps} needs tfdist's fix of Keras' accumulation, which this Keras does not "
             f"allow: {accumulation.patch.problem}. Install Keras {patching.TESTED_KERAS}, or pass "
             "backward_passes_per_step=1.")
-    compression_lib.check(compression)
+    compression = compression_lib.check(resolve_compression(compression))
     if shard_optimizer_state is not None:
         sharding.check(shard_optimizer_state)
+    check_powersgd(compression, steps, shard_optimizer_state)
     config = optimizer.get_config()
     config["gradient_accumulation_steps"] = steps if steps > 1 else None
     distributed = _distributed_class(type(optimizer)).from_config(config)
@@ -94,6 +103,26 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802  (
     if shard_optimizer_state is not None:
         sharded_state.mark(distributed, shard_optimizer_state)
     return distributed
+
+
+def resolve_compression(compression):
+    """``compression``, or when None the one ``TFDIST_COMPRESSION`` names (default none); shared with tfdist.horovod."""
+    if compression is None:
+        compression = compression_lib.from_env() or Compression.none
+    return compression
+
+
+def check_powersgd(compression, steps: int, shard_optimizer_state: bool | None) -> None:
+    """Raises CompressionError for PowerSGD with accumulation or sharded optimizer state (not built yet)."""
+    if not compression_lib.is_powersgd(compression):
+        return
+    if steps > 1:
+        raise CompressionError(f"{compression!r} does not work with gradient accumulation yet (backward_passes_per_step="
+                               f"{steps}): pass backward_passes_per_step=1, or compression=Compression.fp16.")
+    if shard_optimizer_state:
+        raise CompressionError(f"{compression!r} does not work with shard_optimizer_state=True yet (its error feedback "
+                               "is a whole matrix per replica): pass shard_optimizer_state=False, or "
+                               "compression=Compression.fp16.")
 
 
 def check_one_optimizer(optimizer, wrapper: str) -> None:
@@ -123,15 +152,102 @@ class _DistributedMixin:
 
     compression = Compression.none
 
+    def build(self, variables):
+        """Keras' build, then PowerSGD's state for each compressed weight (``powersgd_state``)."""
+        super().build(variables)
+        if compression_lib.is_powersgd(self.compression):
+            if sharded_state.is_sharded(self):
+                check_powersgd(self.compression, 1, True)
+            # past Keras' attribute tracking: the variables are tracked once, as the optimizer's own
+            object.__setattr__(self, "_tfdist_powersgd", powersgd_state(self, self.compression, variables))
+
     def _all_reduce_sum_gradients(self, grads_and_vars):
         """Keras' all-reduce (every micro-batch when there is no accumulation), through ``compression``."""
         grads_and_vars = list(grads_and_vars)
         if gradient_buckets.already_reduced(self):
             return grads_and_vars
+        if compression_lib.is_powersgd(self.compression):
+            return self._powersgd_all_reduce(grads_and_vars)
         packed = [self.compression.compress(g) if g is not None else (None, None) for g, _ in grads_and_vars]
         reduced = super()._all_reduce_sum_gradients([(g, v) for (g, _), (_, v) in zip(packed, grads_and_vars)])
         return [(self.compression.decompress(g, context) if g is not None else None, v)
                 for (g, v), (_, context) in zip(reduced, packed)]
+
+    def _powersgd_all_reduce(self, grads_and_vars):
+        """Matrices through ``PowerSGD.reduce`` (two collectives), the rest exact in Keras' buckets."""
+        context = tf.distribute.get_replica_context()
+        states = getattr(self, "_tfdist_powersgd", {})
+        if context is None or context.num_replicas_in_sync <= 1 or not states:
+            return super()._all_reduce_sum_gradients(grads_and_vars)
+        chosen = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and self._var_key(v) in states]
+        rest = [(None, v) if i in chosen else (g, v) for i, (g, v) in enumerate(grads_and_vars)]
+        # Keras refuses a call with no gradient at all: with every gradient compressed there is nothing left
+        result = super()._all_reduce_sum_gradients(rest) if any(g is not None for g, _ in rest) else rest
+        if not chosen:
+            return result
+        strategy = tf.distribute.get_strategy()
+        pairs = [states[self._var_key(grads_and_vars[i][1])] for i in chosen]
+        reduced, errors, qs = self.compression.reduce(
+            # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
+            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
+            self.iterations, lambda tensors: _replica_all_reduce(strategy, context, tensors),
+            share=1.0 / context.num_replicas_in_sync)
+        for (error, q), new_error, new_q in zip(pairs, errors, qs):
+            error.assign(new_error)
+            q.assign(new_q)
+        for i, gradient in zip(chosen, reduced):
+            result[i] = (gradient, grads_and_vars[i][1])
+        return result
+
+
+def powersgd_state(optimizer, compression, variables) -> dict:
+    """PowerSGD's state of ``optimizer`` (shared with tfdist.horovod): {variable key: (error, Q)}.
+
+    For each weight whose gradient ``compression`` compresses: this replica's error feedback
+    (the weight's shape, zeros) and Q (``[m, r]``, ``first_q``). Both are sync-on-read variables
+    tracked as the optimizer's own, so Keras saves and loads them with its slots and each
+    replica writes its own copy inside the step with no cross-replica call: the error as a SUM
+    (a checkpoint holds the replicas' total, restored as total / N on each, which the next
+    update depends on alone: every step is linear in the sum of the errors), Q as the first
+    replica's (all hold the same).
+    """
+    states = {}
+    strategy = getattr(optimizer, "_distribution_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope():
+        for variable in variables:
+            if compression.matrix_shape(variable.shape, variable.dtype) is None:
+                continue
+            name = variable.path.replace("/", "_") if hasattr(variable, "path") else variable.name
+            index = len(states)
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                error = keras.Variable(tf.zeros(variable.shape, variable.dtype), trainable=False, aggregation="sum",
+                                       synchronization="on_read", name=f"powersgd_error_{name}")
+                q = keras.Variable(compression.first_q(variable.shape, variable.dtype, index), trainable=False,
+                                   aggregation="only_first_replica", synchronization="on_read",
+                                   name=f"powersgd_q_{name}")
+            optimizer._track_variable(error)
+            optimizer._track_variable(q)
+            states[optimizer._var_key(variable)] = (error, q)
+    return states
+
+
+def _replica_all_reduce(strategy, context, tensors: list) -> list:
+    """The sums of ``tensors`` over the replicas, from replica context with no ``merge_call``.
+
+    ``ReplicaContext.all_reduce`` goes through ``merge_call`` under MirroredStrategy and
+    MultiWorkerMirroredStrategy, which fails inside the ``tf.cond`` of PowerSGD's warm-up;
+    their collective cross-device ops launch from one replica as TensorFlow's own replica-context
+    path does (``MirroredExtended._replica_ctx_all_reduce``, used without merge_call under XLA).
+    """
+    ops = getattr(strategy.extended, "_cross_device_ops", None) or getattr(
+        strategy.extended, "_get_cross_device_ops", lambda value: None)(tensors)
+    if not callable(getattr(ops, "_all_reduce", None)):
+        raise CompressionError(
+            f"Compression.powersgd needs collective all-reduce under {type(strategy).__name__}; this one uses "
+            f"{type(ops).__name__}. On CPUs build it with no cross_device_ops (TensorFlow's choice there is collective), "
+            "use tf.distribute.MultiWorkerMirroredStrategy, or use Compression.fp16.")
+    options = tf.distribute.experimental.CommunicationOptions()
+    return list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id, options))
 
 
 def _distributed_class(base: type, mixin: type = _DistributedMixin) -> type:

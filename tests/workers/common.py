@@ -477,3 +477,55 @@ def fit_two_steps_saying_when_the_first_began(model, dataset) -> None:
             print(f"worker {tfdist.rank()} began its first step", flush=True)
 
     model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[FirstStep()])
+
+
+# PowerSGD (issue 52): one model and task for the 2-worker job and its one-process references ------------------
+
+POWERSGD_BATCH = 32  # global: 16 per worker, or per logical device
+POWERSGD_EXAMPLES = 256  # 8 steps an epoch: compression starts at step 2 (start_step) of the first
+
+
+def powersgd_data(examples: int = POWERSGD_EXAMPLES, features: int = 24, classes: int = 4, seed: int = 0):
+    """A learnable task: labels from a fixed random linear map of the features (plus a little noise)."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(examples, features).astype("float32")
+    y = np.argmax(x @ rng.randn(features, classes) + 0.3 * rng.randn(examples, classes), axis=1).astype("int32")
+    return x, y
+
+
+def powersgd_model(compression="unset"):
+    """An MLP 24-64-64-4 (kernels 24x64 and 64x64 compressed at rank 2; 64x4 gains too little), fixed start,
+    compiled with ``tfdist.DistributedOptimizer(SGD(0.05, momentum=0.9), compression=compression)``; "unset"
+    passes no ``compression=`` (``TFDIST_COMPRESSION`` decides). Build it inside the strategy's scope."""
+    import keras
+
+    import tfdist
+
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(4)])
+    chosen = {} if compression == "unset" else {"compression": compression}
+    optimizer = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), **chosen)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def train_powersgd(strategy=None, compression="unset", epochs: int = 2, callbacks=(), model=None):
+    """``fit`` of ``powersgd_model`` on ``powersgd_data`` at POWERSGD_BATCH (unshuffled); returns the model and
+    its loss history."""
+    import tensorflow as tf
+
+    strategy = strategy or tf.distribute.get_strategy()
+    if model is None:
+        with strategy.scope():
+            model = powersgd_model(compression)
+    x, y = powersgd_data()
+    history = model.fit(x, y, batch_size=POWERSGD_BATCH, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history.history.get("loss", [])
+
+
+def powersgd_local_errors(strategy, model) -> list[list]:
+    """This process's error feedback of each compressed kernel (its replicas' copies; no collective)."""
+    return [[t.numpy().tolist() for t in strategy.experimental_local_results(error.value)]
+            for error, _ in model.optimizer._tfdist_powersgd.values()]

@@ -38,7 +38,7 @@ from tfdist.compression import Compression
 from tfdist.horovod import uneven as join_lib
 from tfdist.horovod.basics import Average, Sum, global_process_set, group_of
 from tfdist.horovod.ops import check_op
-from tfdist.errors import ShardingError
+from tfdist.errors import CompressionError, ShardingError
 from tfdist.keras_fixes import batch_shares, scaled_loss, sharded_state
 from tfdist.patching import Patch
 
@@ -48,6 +48,7 @@ keras_internals = Patch(
     "horovod_distributed_optimizer", "tfdist.horovod",
     without="hvd.DistributedOptimizer would not average gradients across processes: each would train alone.")
 keras_internals.overrides(BaseOptimizer, "_clip_gradients", ("self", "grads"))
+keras_internals.overrides(BaseOptimizer, "_backend_apply_gradients", ("self", "grads", "trainable_variables"))
 
 
 _LOCAL_VARS = ("tfdist.horovod all-reduces every gradient; it has no worker-local variables. Compute the "
@@ -132,20 +133,55 @@ class GradientReduction:
         self._signature = [(t.shape, t.dtype) for t in tensors]
         self._eager = tf.executing_eagerly()
         join_lib.count_step(self)
+        matrices = self._powersgd_matrices(tensors)
+        if matrices:  # reduced apart (two collectives), the rest below as before
+            compressed = self._powersgd_reduce([tensors[i] for i in matrices], [self.optimizer._tfdist_powersgd[k]
+                                                                                for k in matrices.values()])
+            tensors = [tf.zeros([0], t.dtype) if i in matrices else t for i, t in enumerate(tensors)]
         if self._flag == join_lib.JOINED:  # hvd.join's stand-in (an apply of zeros): no examples, weighed as before
             examples = tf.constant(0.0) if self._weighed else None
         else:
             examples = batch_shares.examples_to_weigh()
-            self._weighed = examples is not None and self.op == Average and not (
+            self._weighed = examples is not None and self.op == Average and not matrices and not (
                 self.optimizer is not None and (self.optimizer.gradient_accumulation_steps or 1) > 1)
             examples = examples if self._weighed else None
         reduced, self._last_count = self._reduce(tensors, self._flag, examples)
+        if matrices:
+            for i, value in zip(matrices, compressed):
+                reduced[i] = value
         if loss_scale is not None:
             reduced = [_times(t, loss_scale) for t in reduced]
         result = list(gradients)
         for i, value in zip(present, reduced):
             result[i] = value
         return result
+
+    def _powersgd_matrices(self, tensors: list) -> dict:
+        """{index in ``tensors``: state key} of the gradients PowerSGD reduces (a DistributedOptimizer's, built)."""
+        states = getattr(self.optimizer, "_tfdist_powersgd", None)
+        variables = getattr(self.optimizer, "_tfdist_applying", None)
+        if not states or variables is None or len(variables) != len(tensors):
+            return {}
+        keys = [self.optimizer._var_key(v) for v in variables]
+        return {i: key for i, key in enumerate(keys) if key in states}
+
+    def _powersgd_reduce(self, gradients: list, states: list) -> list:
+        """``PowerSGD.reduce`` over the process set, each process one replica; updates the optimizer's state."""
+        group = group_of(self.process_set, "DistributedOptimizer")
+        calls = iter(range(3))  # the warm-up's exact all-reduce, P's and Q's: keys of their own, kept across retraces
+        scale = self.prescale * self.postscale / (group.size if self.op == Average else 1)
+
+        def allreduce(tensors):
+            return group.grouped_allreduce(list(tensors), self.op, self.prescale, self.postscale,
+                                           keys=self._keys(f"powersgd{next(calls)}"))
+
+        reduced, errors, qs = self.compression.reduce(
+            [tf.convert_to_tensor(g) for g in gradients], [e.value for e, _ in states], [q.value for _, q in states],
+            self.optimizer.iterations, allreduce, share=1.0 / (group.size * scale))
+        for (error, q), new_error, new_q in zip(states, errors, qs):
+            error.assign(new_error)
+            q.assign(new_q)
+        return reduced
 
     def _name(self, tensors: list) -> tuple:
         """What this reduction does, the same on every rank: options and gradient shapes (a tape's), or its id."""
@@ -315,6 +351,23 @@ class _AllReduceBeforeUpdate:
     _tfdist_reduction: GradientReduction
     keras_internals = keras_internals
 
+    def build(self, variables):
+        """Keras' build, then PowerSGD's state for each compressed weight (``tfdist.optimizer.powersgd_state``)."""
+        super().build(variables)
+        compression = self._tfdist_reduction.compression
+        if compression_lib.is_powersgd(compression):
+            # past Keras' attribute tracking: the variables are tracked once, as the optimizer's own
+            object.__setattr__(self, "_tfdist_powersgd", optimizer_lib.powersgd_state(self, compression, variables))
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # The variables of the gradients _clip_gradients reduces (PowerSGD keeps state per variable); set past
+        # Keras' attribute tracking, which would make a list of variables part of what the optimizer saves.
+        object.__setattr__(self, "_tfdist_applying", tuple(trainable_variables))
+        try:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            object.__setattr__(self, "_tfdist_applying", None)
+
     def _clip_gradients(self, grads):
         # Keras calls this once per update, with the gradients about to be applied (after
         # local accumulation, before clipping and weight decay): the one place to reduce.
@@ -327,7 +380,7 @@ class _AllReduceBeforeUpdate:
 
 
 def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse="",  # noqa: N802
-                         compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                         compression=None, sparse_as_dense=False, gradient_predivide_factor=1.0,
                          op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True,
                          use_locking=False, shard_optimizer_state=None):
@@ -338,7 +391,9 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
             a ``LossScaleOptimizer``). A built one is re-created from its config, as
             Horovod does (its slot values are not kept).
         name: accepted (Horovod names its ops with it).
-        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        compression: ``hvd.Compression.none``, ``hvd.Compression.fp16`` or ``hvd.Compression.powersgd(...)``
+            (its state is this optimizer's; not with backward_passes_per_step > 1); None: ``TFDIST_COMPRESSION``,
+            else none. Under PowerSGD the processes' gradients are averaged unweighted by their examples.
         sparse_as_dense: densify sparse gradients before reducing them.
         gradient_predivide_factor: see ``GradientReduction``.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
@@ -372,6 +427,8 @@ def DistributedOptimizer(optimizer, name=None, *, device_dense="", device_sparse
     optimizer_lib.check_backward_passes(backward_passes_per_step)
     if sharding.check(shard_optimizer_state):
         raise ShardingError(sharded_state.HOROVOD_REFUSAL)
+    compression = optimizer_lib.resolve_compression(compression)
+    optimizer_lib.check_powersgd(compression, backward_passes_per_step, False)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # reduce in the inner optimizer
         inner = DistributedOptimizer(
             optimizer.inner_optimizer, name, compression=compression, sparse_as_dense=sparse_as_dense,
@@ -434,6 +491,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """
     if not isinstance(gradtape, tf.GradientTape):
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape; received {type(gradtape).__name__}.")
+    if compression_lib.is_powersgd(compression):
+        raise CompressionError(f"hvd.DistributedGradientTape does not take {compression!r} yet: its error feedback "
+                               "and Q are state kept from step to step, which a tape made anew each step has no "
+                               "place for. Use hvd.DistributedOptimizer(opt, compression=...) with "
+                               "optimizer.apply_gradients, or compression=hvd.Compression.fp16.")
     base = type(gradtape)
     if base not in _tape_classes:
         _tape_classes[base] = type(base.__name__, (_AllReduceGradients, base), {"__module__": base.__module__})
@@ -458,6 +520,10 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     Returns:
         The model, its optimizer all-reducing gradients (Average), with its saved slot values.
     """
+    if compression_lib.is_powersgd(compression):
+        raise CompressionError(f"hvd.load_model does not take {compression!r} yet (a loaded optimizer is built "
+                               "without PowerSGD's state): build a new hvd.DistributedOptimizer(opt, compression=...) "
+                               "and load the weights into it.")
     objects = {cls.__name__: cls for cls in custom_optimizers or []}
     objects.update(custom_objects or {})
     model = keras.saving.load_model(filepath, custom_objects=objects or None)

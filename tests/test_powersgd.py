@@ -1,0 +1,514 @@
+"""PowerSGD gradient compression (issue 52) in one process: 2 or 4 replicas on logical CPUs.
+
+Oracles: a NumPy PowerSGD step (Vogels et al. 2019, PyTorch's powerSGD_hook) for the per-replica
+state; exact training (``Compression.none``) for rank >= min(n, m) and for accuracy.
+"""
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.jobs import run_job
+from tests.workers import common
+from tfdist import compression as compression_lib
+from tfdist.compression import Compression
+
+_key_bases = itertools.count(1)
+
+
+@pytest.fixture
+def strategy_of(fresh_tfdist_strategy, monkeypatch):
+    """A MirroredStrategy over the first ``replicas`` logical CPUs, with collective keys of its own."""
+    def make(replicas=2):
+        monkeypatch.setattr(tf.distribute.MirroredStrategy, "_collective_key_base", 7_000_000 + 1000 * next(_key_bases))
+        return tfdist.get_strategy("mirrored", devices=f"CPU:[0-{replicas - 1}]")
+    return make
+
+
+def powersgd(rank=2, start_step=0, min_compression_rate=0.0):
+    return Compression.powersgd(rank=rank, start_step=start_step, min_compression_rate=min_compression_rate)
+
+
+def copies(strategy, variable):
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    return [t.numpy() for t in strategy.experimental_local_results(value)]
+
+
+def assert_bit_equal_everywhere(strategy, variables):
+    for variable in variables:
+        first, *others = copies(strategy, variable)
+        for other in others:
+            np.testing.assert_array_equal(first, other, err_msg=variable.path)
+
+
+# A custom loop of apply_gradients with gradients chosen per replica, and a NumPy oracle --------------
+
+def apply_steps(strategy, optimizer, variables, tables, steps):
+    """``steps`` updates; replica r's gradient of variable i at step s is ``tables[i][s, r]``."""
+    constants = [tf.constant(t) for t in tables]
+    step_index = tf.Variable(0)
+
+    @tf.function
+    def step():
+        def on_replica():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.gather(tf.gather(c, step_index), r) for c in constants]
+            optimizer.apply_gradients(zip(grads, variables))
+        strategy.run(on_replica)
+        step_index.assign_add(1)
+
+    for _ in range(steps):
+        step()
+
+
+def numpy_powersgd(grads, error, q):
+    """One step of PowerSGD for one matrix over replicas (sum convention): approx, new errors, new Q."""
+    replicas = len(grads)
+    ms = [g.reshape(-1, q.shape[0]) + e.reshape(-1, q.shape[0]) for g, e in zip(grads, error)]
+    p = sum(m @ q for m in ms)
+    p = np.linalg.qr(p)[0]
+    new_q = sum(m.T @ p for m in ms)
+    approx = p @ new_q.T
+    return approx, [(m - approx / replicas).reshape(g.shape) for m, g in zip(ms, grads)], new_q
+
+
+def test_two_steps_match_numpy_powersgd_with_error_feedback_and_a_warm_start(strategy_of):
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(0)
+    shape, steps = (6, 5), 2
+    table = rng.randn(steps, 2, *shape).astype("float32")
+    with strategy.scope():
+        kernel = keras.Variable(np.zeros(shape, "float32"), name="kernel")
+        optimizer = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=powersgd(rank=2))
+        optimizer.build([kernel])
+    (error, q), = optimizer._tfdist_powersgd.values()
+    q0 = q.numpy().copy()
+    np.testing.assert_array_equal(q0, powersgd(rank=2).first_q(shape, tf.float32, 0).numpy())
+
+    apply_steps(strategy, optimizer, [kernel], [table], 1)
+    approx, errors, q1 = numpy_powersgd(list(table[0]), [np.zeros(shape)] * 2, q0)
+    np.testing.assert_allclose(kernel.numpy(), -approx, atol=1e-5)
+    for got, want in zip(copies(strategy, error), errors):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        assert np.abs(got).max() > 0.1  # error feedback holds what the rank-2 factors left out
+    # Q is the all-reduced M^T P (QR's signs may differ from NumPy's: compare up to a sign per column)
+    got_q = q.numpy()
+    np.testing.assert_allclose(np.abs(got_q), np.abs(q1), atol=1e-4)
+    assert not np.allclose(got_q, q0)
+
+    apply_steps(strategy, optimizer, [kernel], [table[1:]], 1)  # starts from the Q kept: warm start
+    approx2, errors2, _ = numpy_powersgd(list(table[1]), errors, got_q)
+    np.testing.assert_allclose(kernel.numpy(), -approx - approx2, atol=1e-4)
+    for got, want in zip(copies(strategy, error), errors2):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    # a cold start (the first Q again) would give another update
+    cold, _, _ = numpy_powersgd(list(table[1]), errors, q0)
+    assert not np.allclose(approx2, cold, atol=1e-3)
+
+
+def test_warm_up_steps_are_exact_and_keep_the_error_zero(strategy_of):
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(1)
+    table = rng.randn(3, 2, 8, 7).astype("float32")
+    with strategy.scope():
+        kernel = keras.Variable(np.zeros((8, 7), "float32"), name="kernel")
+        optimizer = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=powersgd(rank=1, start_step=2))
+        optimizer.build([kernel])
+    (error, _), = optimizer._tfdist_powersgd.values()
+    apply_steps(strategy, optimizer, [kernel], [table], 2)
+    np.testing.assert_allclose(kernel.numpy(), -table[:2].sum(axis=(0, 1)), atol=1e-5)
+    assert all(not c.any() for c in copies(strategy, error))
+    apply_steps(strategy, optimizer, [kernel], [table[2:]], 1)
+    assert any(np.abs(c).max() > 0.1 for c in copies(strategy, error))
+
+
+# Training with fit ------------------------------------------------------------------------------
+
+def classification_data(examples=2048, features=24, classes=4, seed=0):
+    """A learnable task: labels from a fixed random linear map of the features (plus a little noise)."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(examples, features).astype("float32")
+    w = rng.randn(features, classes)
+    y = np.argmax(x @ w + 0.3 * rng.randn(examples, classes), axis=1).astype("int32")
+    return x, y
+
+
+def mlp(features=24, classes=4):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((features,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(classes)])
+
+
+def train(strategy, compression, make_optimizer, epochs=1, batch=64, data=None, make_model=mlp):
+    x, y = data or classification_data()
+    with strategy.scope():
+        model = make_model()
+        model.compile(tfdist.DistributedOptimizer(make_optimizer(), compression=compression),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+@pytest.mark.parametrize("replicas, make_optimizer", [
+    (2, lambda: keras.optimizers.SGD(0.05, momentum=0.9)),
+    (4, lambda: keras.optimizers.Adam(1e-3)),
+])
+def test_every_replica_holds_bit_equal_weights_and_q_after_training(strategy_of, replicas, make_optimizer):
+    strategy = strategy_of(replicas)
+    model = train(strategy, powersgd(rank=2), make_optimizer, data=classification_data(512))
+    optimizer = model.optimizer
+    assert len(optimizer._tfdist_powersgd) == 3  # the three kernels
+    assert_bit_equal_everywhere(strategy, model.weights)
+    assert_bit_equal_everywhere(strategy, [v for v in optimizer.variables if "powersgd_error" not in v.path])
+    errors = [copies(strategy, e) for e, _ in optimizer._tfdist_powersgd.values()]
+    assert all(np.abs(c).max() > 0 for each in errors for c in each)
+    assert any(not np.array_equal(each[0], each[1]) for each in errors)  # each replica keeps its own
+
+
+def test_a_rank_of_at_least_min_n_m_trains_as_exact(strategy_of):
+    """Rank >= min(n, m) spans each matrix: every step equals the exact all-reduce (float tolerance)."""
+    strategy = strategy_of(2)
+
+    def small():
+        keras.utils.set_random_seed(5)  # kernels 24x6 and 6x4: rank 6 spans both
+        return keras.Sequential([keras.Input((24,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(4)])
+
+    data = classification_data(512)
+    exact = train(strategy, Compression.none, lambda: keras.optimizers.SGD(0.1), data=data, make_model=small)
+    full = train(strategy, powersgd(rank=6), lambda: keras.optimizers.SGD(0.1), data=data, make_model=small)
+    assert len(full.optimizer._tfdist_powersgd) == 2
+    for got, want in zip(full.get_weights(), exact.get_weights()):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    low = train(strategy, powersgd(rank=1), lambda: keras.optimizers.SGD(0.1), data=data, make_model=small)
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(low.get_weights(), exact.get_weights()))
+
+
+def test_a_learnable_task_reaches_the_exact_accuracy_within_one_point(strategy_of):
+    strategy = strategy_of(2)
+    x, y = classification_data(6144, seed=0)  # the same linear map: 4096 to train, 2048 held out
+    data, x_test, y_test = (x[:4096], y[:4096]), x[4096:], y[4096:]
+    results = {}
+    for name, compression in [("exact", Compression.none),
+                              ("powersgd", Compression.powersgd(rank=2, start_step=10))]:
+        model = train(strategy, compression, lambda: keras.optimizers.SGD(0.05, momentum=0.9), epochs=3, data=data)
+        results[name] = model.evaluate(x_test, y_test, batch_size=256, verbose=0)[1]
+        if name == "powersgd":
+            assert len(model.optimizer._tfdist_powersgd) == 2  # 24x64 and 64x64 compressed; 64x4 gains too little
+    assert results["exact"] > 0.85, results
+    assert results["powersgd"] >= results["exact"] - 0.01, results
+
+
+# Two real workers (tests/workers/powersgd_job.py) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """One 2-worker job: fit with PowerSGD chosen in code, then by ``TFDIST_COMPRESSION`` (both rank 2, start 2)."""
+    return run_job("powersgd_job.py", tmp_path_factory.mktemp("powersgd"), timeout=240,
+                   env={"TFDIST_COMPRESSION": "powersgd:2:2"}).check().results
+
+
+def test_two_workers_train_past_the_warm_up_to_bit_equal_weights_with_their_own_error_feedback(two_workers):
+    first, second = two_workers[0]["explicit"], two_workers[1]["explicit"]
+    assert two_workers[0]["replicas"] == 2
+    assert first["compression"] == repr(Compression.powersgd(rank=2, start_step=2))
+    assert first["iterations"] == 2 * common.POWERSGD_EXAMPLES // common.POWERSGD_BATCH  # 16 steps, 14 compressed
+    for a, b in zip(first["weights"], second["weights"]):
+        np.testing.assert_array_equal(a, b)
+    assert first["losses"] == second["losses"] and first["losses"][-1] < 0.8 * first["losses"][0], first["losses"]
+    assert len(first["errors"]) == 2  # the 24x64 and 64x64 kernels (64x4 gains too little at rank 2)
+    for mine, theirs in zip(first["errors"], second["errors"]):
+        assert np.abs(mine).max() > 0 and np.abs(theirs).max() > 0
+        assert not np.array_equal(mine, theirs)  # each worker keeps its own
+
+
+def test_two_workers_equal_two_logical_devices_in_one_process(two_workers, strategy_of):
+    """The same global batch on 2 replicas in one process: each update depends on the replicas' sums alone."""
+    strategy = strategy_of(2)
+    reference, losses = common.train_powersgd(strategy, Compression.powersgd(rank=2, start_step=2))
+    for rank in (0, 1):
+        got = two_workers[rank]["explicit"]
+        for a, b in zip(got["weights"], reference.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    exact, _ = common.train_powersgd(strategy, Compression.none)  # and compression did change the training
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(exact.get_weights(), reference.get_weights()))
+
+
+def test_two_workers_take_powersgd_from_the_environment(two_workers):
+    """``TFDIST_COMPRESSION=powersgd:2:2`` and a DistributedOptimizer given no compression: the same training."""
+    for rank in (0, 1):
+        explicit, from_env = two_workers[rank]["explicit"], two_workers[rank]["from_env"]
+        assert from_env["compression"] == explicit["compression"]
+        for a, b in zip(from_env["weights"], explicit["weights"]):
+            np.testing.assert_array_equal(a, b)
+        assert from_env["errors"] == explicit["errors"]
+
+
+def test_two_workers_preempted_after_an_epoch_resume_through_backup_and_restore_to_the_uninterrupted_weights(
+        two_workers):
+    """Each worker's error feedback comes back as the workers' total / 2 (see the one-process test below)."""
+    for rank in (0, 1):
+        resumed, whole = two_workers[rank]["resumed"], two_workers[rank]["explicit"]
+        assert resumed["iterations"] == whole["iterations"] and len(resumed["losses"]) == 1
+        for a, b in zip(resumed["weights"], whole["weights"]):
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=0, atol=1e-6)
+    for a, b in zip(two_workers[0]["resumed"]["weights"], two_workers[1]["resumed"]["weights"]):
+        np.testing.assert_array_equal(a, b)
+
+
+# Shapes -------------------------------------------------------------------------------------------
+
+def test_conv_kernels_and_vectors_and_an_embeddings_gradient(strategy_of):
+    """A 4-D conv kernel is a [kh*kw*in, out] matrix; biases travel exact; an Embedding's sparse gradient is
+    densified and compressed (it travels dense in tfdist's buckets anyway); a 3x2 matrix under rank 4 uses
+    rank 2."""
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(2)
+    images = rng.rand(256, 8, 8, 3).astype("float32")
+    tokens = rng.randint(0, 50, size=(256, 5)).astype("int32")
+    labels = (images.mean(axis=(1, 2, 3)) > 0.5).astype("int32")
+
+    def make_model():
+        keras.utils.set_random_seed(4)
+        image = keras.Input((8, 8, 3))
+        token = keras.Input((5,), dtype="int32")
+        a = keras.layers.Conv2D(8, 3, activation="relu")(image)
+        a = keras.layers.GlobalAveragePooling2D()(a)
+        b = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 3)(token))
+        b = keras.layers.Dense(2)(b)  # a 3x2 kernel: smaller than the rank
+        out = keras.layers.Dense(2)(keras.layers.Concatenate()([a, b]))
+        return keras.Model([image, token], out)
+
+    with strategy.scope():
+        model = make_model()
+        model.compile(tfdist.DistributedOptimizer(keras.optimizers.Adam(1e-2),
+                                                  compression=Compression.powersgd(rank=4, start_step=0,
+                                                                                   min_compression_rate=0)),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit([images, tokens], labels, batch_size=32, epochs=1, verbose=0)
+    states = model.optimizer._tfdist_powersgd
+    shapes = sorted(tuple(e.shape) + tuple(q.shape) for e, q in states.values())
+    assert shapes == [(3, 2, 2, 2), (3, 3, 3, 8, 8, 4), (10, 2, 2, 2), (50, 3, 3, 3)], shapes
+    assert_bit_equal_everywhere(strategy, model.weights)
+    for error, q in states.values():
+        assert all(np.isfinite(c).all() for c in copies(strategy, error) + copies(strategy, q))
+    conv_error = next(e for e, _ in states.values() if len(e.shape) == 4)
+    assert np.abs(copies(strategy, conv_error)[0]).max() > 0
+    embedding_error = next(e for e, _ in states.values() if tuple(e.shape) == (50, 3))
+    assert np.abs(copies(strategy, embedding_error)[0]).max() > 0
+
+
+def test_which_weights_are_compressed():
+    c = Compression.powersgd(rank=4)  # min_compression_rate 2: 4*(n+m)*2 < n*m
+    assert c.matrix_shape((2304, 128), tf.float32) == (2304, 128)
+    assert c.matrix_shape((3, 3, 32, 64), tf.float32) == (288, 64)
+    assert c.matrix_shape((128,), tf.float32) is None  # a vector
+    assert c.matrix_shape((16, 16), tf.float32) is None  # 4*32*2 = 256 is not < 256
+    assert c.matrix_shape((64, 64), tf.int32) is None
+    assert Compression.powersgd(rank=4, min_compression_rate=0).matrix_shape((3, 2), tf.float32) == (3, 2)
+
+
+# Checkpoints ----------------------------------------------------------------------------------------
+
+def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_path):
+    """Keras saves the error feedback (the replicas' total) and Q with the slots; a restored run's next steps
+    equal the uninterrupted run's (each replica restarts from total / N: every update depends on the sum)."""
+    strategy = strategy_of(2)
+    data = classification_data(384)
+    make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    whole = train(strategy, powersgd(rank=1), make, epochs=2, data=data)
+
+    first = train(strategy, powersgd(rank=1), make, epochs=1, data=data)
+    path = str(tmp_path / "first.weights.h5")
+    first.save_weights(path)
+    totals = [sum(copies(strategy, e)) for e, _ in first.optimizer._tfdist_powersgd.values()]
+    with strategy.scope():
+        resumed = mlp()
+        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    assert int(resumed.optimizer.iterations.numpy()) == 384 // 64
+    for (error, q), total, (_, first_q) in zip(resumed.optimizer._tfdist_powersgd.values(), totals,
+                                               first.optimizer._tfdist_powersgd.values()):
+        for each in copies(strategy, error):
+            np.testing.assert_allclose(each, total / 2, atol=1e-6)
+        np.testing.assert_array_equal(q.numpy(), first_q.numpy())
+    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+class _Preempted(Exception):
+    pass
+
+
+class _PreemptAfterEpoch(keras.callbacks.Callback):
+    """Stops the fit at the end of epoch ``epoch`` (after BackupAndRestore, listed before it, saved)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise _Preempted(f"preempted after epoch {epoch}")
+
+
+def test_a_preempted_compressed_fit_resumes_through_backup_and_restore_to_the_uninterrupted_weights(
+        strategy_of, tmp_path):
+    """fit(epochs=2) stopped after epoch 1 (past the warm-up), then a new model and optimizer resume it.
+
+    The error feedback comes back as the replicas' total / N on each (``powersgd_state``): every update depends on
+    the sum alone, so the resumed run equals the uninterrupted one up to float rounding (here 9e-8 one epoch
+    after the resume; the rounding grows as training goes on: 2e-6 two epochs after).
+    """
+    strategy = strategy_of(2)
+    compression = Compression.powersgd(rank=2, start_step=2)
+    whole, whole_losses = common.train_powersgd(strategy, compression, epochs=2)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(_Preempted):
+        common.train_powersgd(strategy, compression, epochs=2,
+                              callbacks=[keras.callbacks.BackupAndRestore(backup), _PreemptAfterEpoch(0)])
+    resumed, resumed_losses = common.train_powersgd(strategy, compression, epochs=2,
+                                                    callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert len(resumed_losses) == 1  # only the second epoch ran
+    assert int(resumed.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 16
+    assert all(np.abs(c).max() > 0 for error, _ in resumed.optimizer._tfdist_powersgd.values()
+               for c in copies(strategy, error))
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(resumed_losses[0], whole_losses[1], rtol=1e-6)
+
+
+# Choosing it ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, expected", [
+    ("powersgd:4", Compression.powersgd(rank=4)),
+    ("powersgd", Compression.powersgd()),
+    ("POWERSGD:2:100", Compression.powersgd(rank=2, start_step=100)),
+    ("fp16", Compression.fp16),
+    ("none", Compression.none),
+    ("", None),
+])
+def test_the_environment_names_the_compression(raw, expected):
+    assert compression_lib.from_env({"TFDIST_COMPRESSION": raw}) == expected
+
+
+@pytest.mark.parametrize("raw", ["powersgd:0", "powersgd:four", "gzip", "fp16:2", "powersgd:4:1:2"])
+def test_a_bad_environment_value_is_a_named_error_listing_the_valid_ones(raw):
+    with pytest.raises(tfdist.CompressionError, match=r"TFDIST_COMPRESSION=.* valid values: none, fp16, powersgd|"
+                                                      r"TFDIST_COMPRESSION='powersgd:0': .*rank to be an int >= 1"):
+        compression_lib.from_env({"TFDIST_COMPRESSION": raw})
+
+
+def test_distributed_optimizer_takes_the_environments_compression(monkeypatch):
+    monkeypatch.setenv("TFDIST_COMPRESSION", "powersgd:3:7")
+    assert tfdist.DistributedOptimizer(keras.optimizers.SGD()).compression == Compression.powersgd(3, 7)
+    assert tfdist.DistributedOptimizer(keras.optimizers.SGD(), compression=Compression.fp16).compression is \
+        Compression.fp16
+    monkeypatch.setenv("TFDIST_COMPRESSION", "zip")
+    with pytest.raises(tfdist.CompressionError, match="TFDIST_COMPRESSION='zip' is not a compression"):
+        tfdist.DistributedOptimizer(keras.optimizers.SGD())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rank": 0}, r"rank to be an int >= 1 \(e.g. 4\); received rank=0"),
+    ({"rank": 2.0}, r"received rank=2.0"),
+    ({"start_step": -1}, r"start_step to be an int >= 0 .*received start_step=-1"),
+    ({"min_compression_rate": -1}, r"min_compression_rate to be a number >= 0 .*received min_compression_rate=-1"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(tfdist.CompressionError, match=message):
+        Compression.powersgd(**kwargs)
+
+
+def test_accumulation_and_sharded_state_are_refused_by_name():
+    with pytest.raises(tfdist.CompressionError, match="does not work with gradient accumulation yet"):
+        tfdist.DistributedOptimizer(keras.optimizers.SGD(), 2, compression=powersgd())
+    with pytest.raises(tfdist.CompressionError, match="does not work with shard_optimizer_state=True yet"):
+        tfdist.DistributedOptimizer(keras.optimizers.SGD(), compression=powersgd(), shard_optimizer_state=True)
+
+
+# tfdist.horovod (one process here: the same PowerSGD.reduce over a process group of size 1) ----------------
+
+@pytest.fixture
+def single_hvd():
+    import tfdist.horovod as hvd
+
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+def test_horovod_distributed_optimizer_keeps_the_state_and_spans_exactly_at_full_rank(single_hvd):
+    hvd = single_hvd
+    data = classification_data(256)
+
+    def small():
+        keras.utils.set_random_seed(5)
+        return keras.Sequential([keras.Input((24,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(4)])
+
+    def fit(optimizer):
+        model = small()
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(*data, batch_size=32, epochs=1, verbose=0, shuffle=False)
+        return model
+
+    exact = fit(keras.optimizers.SGD(0.1))
+    full = fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.powersgd(
+        rank=6, start_step=0, min_compression_rate=0)))
+    for got, want in zip(full.get_weights(), exact.get_weights()):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    low = fit(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=powersgd(rank=1)))
+    states = low.optimizer._tfdist_powersgd
+    assert len(states) == 2 and all(np.abs(e.numpy()).max() > 0 for e, _ in states.values())
+    assert not all(np.allclose(a, b, atol=1e-3) for a, b in zip(low.get_weights(), exact.get_weights()))
+
+
+def test_horovod_refuses_what_it_cannot_keep_state_for(single_hvd):
+    hvd = single_hvd
+    with pytest.raises(tfdist.CompressionError, match="hvd.DistributedGradientTape does not take Compression.powersgd"):
+        hvd.DistributedGradientTape(tf.GradientTape(), compression=powersgd())
+    with pytest.raises(tfdist.CompressionError, match="does not work with gradient accumulation yet"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), compression=powersgd(), backward_passes_per_step=2)
+
+
+def test_under_a_loss_scale_optimizer_the_state_stays_finite_and_replicas_equal(strategy_of):
+    """The finite check reads the compressed sums (tfdist's bucket path), gradients unscaled on the lossy wire."""
+    strategy = strategy_of(2)
+    x, y = classification_data(256)
+    with strategy.scope():
+        model = mlp()
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=powersgd(rank=2))
+        model.compile(keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0 ** 15),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    assert int(inner.iterations.numpy()) == 4
+    assert_bit_equal_everywhere(strategy, model.weights)
+    for error, q in inner._tfdist_powersgd.values():
+        assert all(np.isfinite(c).all() and np.abs(c).max() > 0 for c in copies(strategy, error))
+        assert all(np.isfinite(c).all() for c in copies(strategy, q))
+
+
+def test_the_benchmark_counts_the_bytes_each_setup_sends():
+    """benchmarks/powersgd.py on the weak-scaling CNN: r * (n + m) numbers for a kernel PowerSGD compresses, its
+    size for any other weight; rank 4 about 25x fewer bytes than exact (issue 52)."""
+    from benchmarks import powersgd as bench
+
+    shapes = bench.weight_shapes()  # conv [27, 32] and [288, 64], dense [2304, 128] and [128, 10], 4 biases
+    size = sum(int(np.prod(s)) for s in shapes)
+    assert bench.bytes_per_step(shapes, "exact") == 4 * size == 1_262_888
+    assert bench.bytes_per_step(shapes, "fp16") == 2 * size
+    biases = 32 + 64 + 128 + 10
+    r4 = 4 * (27 + 32 + 288 + 64 + 2304 + 128 + 128 + 10)
+    assert bench.bytes_per_step(shapes, "powersgd r4") == 4 * (r4 + biases)
+    # rank 8 gains too little on the first conv (8 * 59 * 2 >= 864) and the last dense kernel: they travel whole
+    assert bench.bytes_per_step(shapes, "powersgd r8") == 4 * (864 + 8 * (288 + 64 + 2304 + 128) + 1280 + biases)
+    assert [bench.compressed_count(shapes, r) for r in (1, 2, 4, 8)] == [4, 4, 4, 2]
+    assert 25 < bench.bytes_per_step(shapes, "exact") / bench.bytes_per_step(shapes, "powersgd r4") < 27
