@@ -97,6 +97,17 @@ def build_model():
         keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
 
 
+def synthetic_data(workers: int):
+    """One global batch (``BATCH`` a worker) of random 32x32 images and labels, repeated, tf.data autotune off."""
+    import tensorflow as tf
+
+    images = tf.random.stateless_uniform((BATCH * workers, 32, 32, 3), seed=(1, 2))
+    labels = tf.random.stateless_uniform((BATCH * workers,), seed=(3, 4), maxval=10, dtype=tf.int32)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # one core each (RESULTS.md: autotune's thread costs a pinned worker)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(options)
+
+
 def default_setups() -> list[str]:
     """1 worker, the defaults, the fixed float32 settings that bucket this CNN's gradients differently, one pack
     with 1 inter-op thread."""
@@ -149,12 +160,7 @@ def worker(args: argparse.Namespace) -> None:
                 optimizer, backward_passes_per_step=setup.passes,
                 compression=tfdist.Compression.fp16 if setup.fp16 else tfdist.Compression.none)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    global_batch = BATCH * setup.workers
-    images = tf.random.stateless_uniform((global_batch, 32, 32, 3), seed=(1, 2))
-    labels = tf.random.stateless_uniform((global_batch,), seed=(3, 4), maxval=10, dtype=tf.int32)
-    options = tf.data.Options()
-    options.autotune.enabled = False  # one core each (RESULTS.md: autotune's thread costs a pinned worker)
-    data = tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(options)
+    data = synthetic_data(setup.workers)
     model.fit(data, epochs=1, steps_per_epoch=WARMUP_STEPS, verbose=0)  # tracing, autotune, warm-up
     from tfdist import autotune
 
@@ -174,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
     model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if rank == 0:
-        result.update(images_per_sec=global_batch * args.steps / seconds, step_ms=1000 * seconds / args.steps,
+        result.update(images_per_sec=BATCH * setup.workers * args.steps / seconds, step_ms=1000 * seconds / args.steps,
                       cpu_ms=1000 * cpu / args.steps,
                       gradient_bytes=sum(int(v.shape.num_elements()) * 4 for v in model.trainable_variables))
         pathlib.Path(args.out, "result.json").write_text(json.dumps(result))

@@ -101,11 +101,7 @@ def worker(args: argparse.Namespace) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     strategy = tfdist.get_strategy()
     workers = strategy.num_replicas_in_sync  # one replica a worker
-    images = tf.random.stateless_uniform((overlap.BATCH * workers, 32, 32, 3), seed=(1, 2))
-    labels = tf.random.stateless_uniform((overlap.BATCH * workers,), seed=(3, 4), maxval=10, dtype=tf.int32)
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    data = tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(options)
+    data = overlap.synthetic_data(workers)
 
     def model(fp16: bool):
         with strategy.scope():
