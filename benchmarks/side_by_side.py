@@ -8,7 +8,8 @@ jobs of the same setting differ by up to +-15% on this machine (RESULTS.md, issu
 than the 3% that "defaults >= 0.97 of the best fixed setting" asks to resolve. Here one job
 (same network, CNN, batch and synthetic data as overlap.py) builds one model per setup:
 
-* ``defaults`` (and ``defaults fp16``): tfdist as shipped; autotune measures and settles in
+* ``defaults`` (and ``defaults fp16``): autotune on (tfdist's default until issue 52, now
+  ``TFDIST_AUTOTUNE=1``); autotune measures and settles in
   that model's own first ``fit`` (a fresh record file, so it measures);
 * ``fixed B/F``: one exact setting of ``tfdist.autotune.GRID``, set before that model's train
   function traces (so autotune keeps off it); every entry that buckets this CNN's gradients
