@@ -283,3 +283,24 @@ def test_files_of_the_same_names_and_counts_holding_other_records_differ(tmp_pat
         "worker 1 (from file_pattern='val/data-*') lists 2 files (8 records), worker 0 lists 2 (8 records): "
         "worker 1's 'data-00000-of-00002.tfrecord', 'data-00001-of-00002.tfrecord' begin(s) with another record than "
         "worker 0's. Worker(s) [1] list no file that worker 0 lists: if that is another dataset") in errors[0], errors[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_name_that_matches_no_file_on_one_worker_only_is_named_on_every_worker(store):
+    """The other names give every worker the same files, so the lists agree; the name that matches nothing on
+    worker 1 only raised there alone, after the check, and worker 0 went on to train without it."""
+    errors = {}
+
+    def worker(rank):
+        try:
+            agreement.check_same_files("['shards/train-*', 'extra/*']", SHARDS, rank, 2, timeout_s=30,
+                                       unmatched=["extra/*"] if rank == 1 else [])
+            errors[rank] = None
+        except data.DataError as error:
+            errors[rank] = str(error)
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors[0] == errors[1] and "on worker 1 'extra/*' match(es) no file" in errors[0], errors

@@ -79,7 +79,7 @@ def relative_names(patterns: Sequence[str], paths: Sequence[str]) -> list[str]:
 
 
 def check_same_files(source: str, files: FileList | Exception, rank: int, size: int,
-                     timeout_s: float | None = None) -> None:
+                     timeout_s: float | None = None, unmatched: Sequence[str] = ()) -> None:
     """Raises on every worker unless every worker of the job lists the same ``files`` for this dataset.
 
     Args:
@@ -89,6 +89,8 @@ def check_same_files(source: str, files: FileList | Exception, rank: int, size: 
             error that listing them raised here (published so that the peers stop at once; the caller re-raises).
         rank: this worker's rank; size: the job's worker count.
         timeout_s: how long to wait for the peers; None: the hang timeout (its default when turned off).
+        unmatched: the names or patterns that matched no file here (the caller raises for them once every
+            worker agrees; a worker where they differ is named).
 
     Raises:
         DataError: the workers' lists differ (naming the workers and files), a peer could not list its files, or
@@ -105,7 +107,9 @@ def check_same_files(source: str, files: FileList | Exception, rank: int, size: 
             _wait_for_peers(base, "digest", size, timeout_s)
         return
     files = [[name, *(int(value) for value in rest)] for name, *rest in files]
-    mine = json.dumps({"source": source, "digest": hashlib.sha256(json.dumps(files).encode()).hexdigest()})
+    unmatched = sorted(unmatched)
+    mine = json.dumps({"source": source, "unmatched": unmatched,
+                       "digest": hashlib.sha256(json.dumps([files, unmatched]).encode()).hexdigest()})
     kvstore.put(f"{base}/digest/{rank}", mine)
     digests = {peer: json.loads(value) for peer, value in _gather(base, "digest", rank, size, mine, timeout_s,
                                                                    source).items()}
@@ -121,7 +125,8 @@ def check_same_files(source: str, files: FileList | Exception, rank: int, size: 
     if rank == 0:  # it holds the store: once it exits, a peer still reading would find nothing
         _wait_for_peers(base, "read", size, timeout_s)
     sources = {peer: value["source"] for peer, value in digests.items()}
-    raise DataError(differences(sources, lists) or (
+    unmatched_by_worker = {peer: value.get("unmatched", []) for peer, value in digests.items()}
+    raise DataError(differences(sources, lists, unmatched_by_worker) or (
         f"tfrecord_dataset(file_pattern={source}): the workers' file lists hash differently but read the same; "
         "report this to tfdist."))
 
@@ -164,18 +169,23 @@ def _gather(base: str, what: str, rank: int, size: int, mine: str, timeout_s: fl
     return found
 
 
-def differences(sources: Mapping[int, str], lists: Mapping[int, FileList]) -> str | None:
+def differences(sources: Mapping[int, str], lists: Mapping[int, FileList],
+                unmatched: Mapping[int, Sequence[str]] | None = None) -> str | None:
     """The error message for workers whose file lists differ from worker 0's (None when none does).
 
     Args:
         sources: each worker's ``file_pattern``, as shown (``shown``).
         lists: each worker's ``(name, records)`` pairs.
+        unmatched: each worker's names or patterns that matched no file there.
     """
     reference = {name: list(rest) for name, *rest in lists[0]}
     told, other_sources = [], []
     for rank in sorted(lists):
         theirs = {name: list(rest) for name, *rest in lists[rank]}
-        if rank == 0 or theirs == reference:
+        unmatched = unmatched or {}
+        nowhere = sorted(set(unmatched.get(rank, [])) - set(unmatched.get(0, [])))  # only on this worker
+        not_on_0 = sorted(set(unmatched.get(0, [])) - set(unmatched.get(rank, [])))  # only on worker 0
+        if rank == 0 or (theirs == reference and not nowhere and not not_on_0):
             continue
         common = sorted(set(theirs) & set(reference))
         missing = [f"{name!r} ({reference[name][0]} records)" for name in sorted(reference) if name not in theirs]
@@ -187,7 +197,10 @@ def differences(sources: Mapping[int, str], lists: Mapping[int, FileList]) -> st
         parts = ([f"worker {rank} does not see {_some(missing)}"] if missing else []) + (
             [f"worker {rank} sees {_some(extra)}, which worker 0 does not"] if extra else []) + (
             [f"worker {rank} counts {_some(recount)}"] if recount else []) + (
-            [f"worker {rank}'s {_some(other)} begin(s) with another record than worker 0's"] if other else [])
+            [f"worker {rank}'s {_some(other)} begin(s) with another record than worker 0's"] if other else []) + (
+            [f"on worker {rank} {_some([repr(p) for p in nowhere])} match(es) no file"] if nowhere else []) + (
+            [f"on worker 0 {_some([repr(p) for p in not_on_0])} match(es) no file, on worker {rank} some"]
+            if not_on_0 else [])
         elsewhere = not any(theirs[name] == reference[name] for name in common)  # maybe another dataset altogether
         given = f" (from file_pattern={sources[rank]})" if elsewhere and sources[rank] != sources[0] else ""
         other_sources += [rank] if given else []

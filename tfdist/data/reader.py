@@ -357,7 +357,7 @@ def _listed_alike_on_every_worker(file_pattern, skip_corrupt: bool,
         names = agreement.relative_names(patterns, [check.path for check in checks])
         agreement.check_same_files(source, sorted(zip(names, (c.num_records for c in checks),
                                                       (c.first_crc for c in checks))),
-                                   job.worker_index, job.num_workers)
+                                   job.worker_index, job.num_workers, unmatched=unmatched)
         _refuse_unmatched(patterns, unmatched, source)
     return [check.path for check in checks], [check.num_records for check in checks], source
 
