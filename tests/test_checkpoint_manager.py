@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -87,6 +88,34 @@ def test_training_resumed_from_a_checkpoint_is_the_uninterrupted_training(tmp_pa
     resumed.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(_state(resumed), _state(uninterrupted)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas, sharded, jit", [(1, False, False), (1, False, True), (2, True, False)],
+                         ids=["one_device", "one_device_xla", "sharded"])
+def test_an_async_save_written_after_training_went_on_holds_the_state_of_its_moment(tmp_path, monkeypatch,
+                                                                                   replicas, sharded, jit):
+    """save() stages without copying (the variables' buffers are copied on their next write): the part written
+    while more steps train still holds the state at the save."""
+    model = _model(_strategy(replicas), sharded)
+    model.jit_compile = jit
+    model.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    at_save = _state(model)
+    trained, write_part = threading.Event(), store.write_part
+
+    def write_after_training(*args):
+        assert trained.wait(120)
+        write_part(*args)
+
+    monkeypatch.setattr(store, "write_part", write_after_training)
+    manager = tfdist.CheckpointManager(str(tmp_path))
+    manager.save(model)
+    model.fit(X, Y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert not np.array_equal(_state(model)[0], at_save[0])
+    trained.set()
+    manager.wait()
+    restored = _model(_strategy(replicas), sharded)
+    manager.restore(restored)
+    _assert_state_equal(_state(restored), at_save)
 
 
 def test_no_part_of_a_sharded_checkpoint_holds_another_replicas_shard(saved):

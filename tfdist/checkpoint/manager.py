@@ -2,10 +2,10 @@
 
 Each worker writes one part: the whole variables it owns (a byte-balanced share of the weights and
 of the unsharded optimizer state, ``layout.owners``) and its replicas' shards of a sharded optimizer's
-slots. Nothing is gathered into one process. ``save`` copies those arrays to host memory and returns;
-a background thread writes the part and flushes it to disk, and the chief commits the checkpoint once
-every worker's part is written (``store``). A save that starts while the previous one still writes
-waits for it, so at most one copy is staged. ``restore`` reads the newest committed checkpoint into a
+slots. Nothing is gathered into one process. ``save`` snapshots those variables (copy on write: no copy
+until training next updates them) and returns; a background thread writes the part and flushes it to
+disk, and the chief commits the checkpoint once every worker's part is written (``store``). A save that
+starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads the newest committed checkpoint into a
 model on any number of workers and replicas, sharded or not: each replica reads the elements of its
 shard from the saved shards that hold them.
 
@@ -40,8 +40,8 @@ class CheckpointManager:
     Args:
         directory: where the checkpoints go (``step-N`` folders); shared by every worker.
         max_to_keep: the committed checkpoints kept (older ones are removed after a commit); None keeps all.
-        async_save: True: ``save`` returns once the state is copied to host memory, and a background thread
-            writes it; False: ``save`` returns once the checkpoint is committed.
+        async_save: True: ``save`` returns once the state is snapshotted, and a background thread writes it;
+            False: ``save`` returns once the checkpoint is committed.
 
     Raises:
         ValueError: a URL ``directory``, or a ``max_to_keep`` that is not a positive int or None.
@@ -234,8 +234,13 @@ def _entries(model) -> list[_Entry]:
     return entries
 
 
-def _stage(entries: list[_Entry], rank: int, workers: int) -> dict[str, np.ndarray]:
-    """Host copies of what this worker writes: the whole variables it owns, its replicas' shards."""
+def _stage(entries: list[_Entry], rank: int, workers: int) -> dict[str, tf.Tensor]:
+    """Snapshots of what this worker writes (the whole variables it owns, its replicas' shards), without a copy.
+
+    A read of a resource variable shares its buffer; TensorFlow copies a buffer another tensor still holds before
+    it updates a variable (copy on write, also under XLA). So staging costs no time, and the next training step
+    copies each variable it updates while the write holds the snapshot: at most one staged copy.
+    """
     whole = [e for e in entries if not e.sharded]
     for entry, owner in zip(whole, layout.owners([e.size * e.dtype.itemsize for e in whole], workers)):
         entry.owner = owner
@@ -243,10 +248,15 @@ def _stage(entries: list[_Entry], rank: int, workers: int) -> dict[str, np.ndarr
     for entry in entries:
         if entry.sharded:
             for replica, component in local_shards(entry.variable):
-                arrays[f"{entry.key}/{replica}"] = np.array(component.numpy(), copy=True)
+                arrays[f"{entry.key}/{replica}"] = _snapshot(component)
         elif entry.owner == rank:
-            arrays[entry.key] = np.array(entry.variable.numpy(), copy=True)
+            arrays[entry.key] = _snapshot(entry.variable)
     return arrays
+
+
+def _snapshot(variable) -> tf.Tensor:
+    value = variable if isinstance(variable, tf.Variable) else variable.value  # a Keras variable's tf.Variable
+    return value.read_value() if isinstance(value, tf.Variable) else tf.identity(value)
 
 
 def _step(model) -> int:

@@ -46,8 +46,8 @@ def part_path(checkpoint: str, worker: int) -> str:
     return os.path.join(checkpoint, f"part-{worker}.npz")
 
 
-def write_part(checkpoint: str, worker: int, arrays: dict[str, np.ndarray]) -> None:
-    """Writes this worker's arrays, flushed to disk, as ``part-<worker>.npz`` (atomically)."""
+def write_part(checkpoint: str, worker: int, arrays: dict[str, Any]) -> None:
+    """Writes this worker's arrays (or tensors), flushed to disk, as ``part-<worker>.npz`` (atomically)."""
     os.makedirs(checkpoint, exist_ok=True)
     path = part_path(checkpoint, worker)
     temp = f"{path}.tmp{os.getpid()}"
