@@ -22,8 +22,12 @@ _key_bases = itertools.count(1)
 
 @pytest.fixture
 def strategy_of(fresh_tfdist_strategy, monkeypatch):
-    """A MirroredStrategy over the first ``replicas`` logical CPUs, with collective keys of its own."""
+    """A MirroredStrategy over the first ``replicas`` logical CPUs, with collective keys of its own (one test may
+    make several)."""
+    from tfdist import state
+
     def make(replicas=2):
+        monkeypatch.setattr(state, "built", None)
         monkeypatch.setattr(tf.distribute.MirroredStrategy, "_collective_key_base", 7_000_000 + 1000 * next(_key_bases))
         return tfdist.get_strategy("mirrored", devices=f"CPU:[0-{replicas - 1}]")
     return make
@@ -341,6 +345,30 @@ def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_pat
     resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
     for got, want in zip(resumed.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_a_checkpoint_of_two_replicas_resumes_on_another_replica_count_to_the_uninterrupted_weights(
+        strategy_of, tmp_path, replicas):
+    """The error feedback saved is the replicas' total; every update depends on that sum alone, so a job restarted
+    with another replica count (one device too: PowerSGD runs there as on N) continues the compressed run."""
+    data = classification_data(384)
+    make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    two = strategy_of(2)
+    whole = train(two, powersgd(rank=1), make, epochs=2, data=data)
+    first = train(two, powersgd(rank=1), make, epochs=1, data=data)
+    path = str(tmp_path / "first.weights.h5")
+    first.save_weights(path)
+    other = strategy_of(replicas)
+    with other.scope():
+        resumed = mlp()
+        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 class _Preempted(Exception):
