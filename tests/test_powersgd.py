@@ -524,6 +524,55 @@ def test_under_a_loss_scale_optimizer_the_state_stays_finite_and_replicas_equal(
         assert all(np.isfinite(c).all() for c in copies(strategy, q))
 
 
+@pytest.mark.parametrize("overflowing", ["bias", "kernel"])
+def test_a_step_skipped_for_an_overflow_on_one_replica_keeps_the_state_on_every_replica(strategy_of, overflowing):
+    """LossScaleOptimizer skips a step whose reduced gradients are not all finite; an inf in ONE replica's gradient of
+    an exact-travelling bias, or of a compressed kernel, leaves the error feedback, Q and weights as they were."""
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(3)
+    kernels, biases = rng.randn(2, 2, 8, 7).astype("float32"), rng.randn(2, 2, 7).astype("float32")
+    (biases if overflowing == "bias" else kernels)[1, 1, 0] = np.inf  # step 2, replica 1 only
+    with strategy.scope():
+        kernel = keras.Variable(np.zeros((8, 7), "float32"), name="kernel")
+        bias = keras.Variable(np.zeros(7, "float32"), name="bias")
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=powersgd(rank=1))
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0)
+        optimizer.build([kernel, bias])
+    (error, q), = inner._tfdist_powersgd.values()
+
+    def state():
+        return copies(strategy, error) + copies(strategy, q) + [kernel.numpy()]
+
+    apply_steps(strategy, optimizer, [kernel, bias], [kernels[:1], biases[:1]], 1)
+    before = state()
+    apply_steps(strategy, optimizer, [kernel, bias], [kernels[1:], biases[1:]], 1)
+    assert int(inner.iterations.numpy()) == 1 and float(optimizer.dynamic_scale.numpy()) == 0.5
+    for got, want in zip(state(), before):
+        np.testing.assert_array_equal(got, want)
+    assert_bit_equal_everywhere(strategy, [q, kernel, bias])
+
+
+def test_under_mixed_float16_an_overflow_in_one_replicas_forward_pass_skips_the_step_everywhere(
+        strategy_of, restore_dtype_policy):
+    strategy = strategy_of(2)
+    x, y = classification_data(256)
+    x[64 + 40, 0] = 1e6  # the second batch, replica 1's half: inf in float16
+    keras.config.set_dtype_policy("mixed_float16")
+    with strategy.scope():
+        model = mlp()
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=powersgd(rank=2))
+        model.compile(keras.optimizers.LossScaleOptimizer(inner), keras.losses.SparseCategoricalCrossentropy(True))
+    states = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: states.append(
+        [c for e, q in inner._tfdist_powersgd.values() for c in copies(strategy, e) + copies(strategy, q)]))
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False, callbacks=[record])
+    assert int(inner.iterations.numpy()) == 3  # one of four steps skipped
+    for got, want in zip(states[1], states[0]):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.isfinite(c).all() for c in states[-1])
+    assert_bit_equal_everywhere(strategy, model.weights + [q for _, q in inner._tfdist_powersgd.values()])
+
+
 def test_the_benchmark_counts_the_bytes_each_setup_sends():
     """benchmarks/powersgd.py on the weak-scaling CNN: r * (n + m) numbers for a kernel PowerSGD compresses, its
     size for any other weight; rank 4 about 25x fewer bytes than exact (issue 52)."""

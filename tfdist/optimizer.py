@@ -194,7 +194,9 @@ class _DistributedMixin:
         reduced, errors, qs = self.compression.reduce(
             # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
             [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
-            self.iterations, _replica_all_reduce(context), share=1.0 / context.num_replicas_in_sync)
+            self.iterations, _replica_all_reduce(context), share=1.0 / context.num_replicas_in_sync,
+            # an overflow in a gradient sent exact skips the step (LossScaleOptimizer): PowerSGD's state stays too
+            others_finite=compression_lib.all_finite([result[i][0] for i in exact]))
         for (error, q), new_error, new_q in zip(pairs, errors, qs):
             error.assign(new_error)
             q.assign(new_q)
