@@ -257,7 +257,8 @@ def _replica_all_reduce(context) -> Callable[[list], list]:
             f"{type(ops).__name__}. On CPUs build it with no cross_device_ops (TensorFlow's choice there is collective), "
             "use tf.distribute.MultiWorkerMirroredStrategy, or use Compression.fp16.")
     options = tf.distribute.experimental.CommunicationOptions()
-    return lambda tensors: list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id, options))
+    return lambda tensors: list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id,
+                                                options))
 
 
 def _distributed_class(base: type, mixin: type = _DistributedMixin) -> type:
