@@ -22,8 +22,12 @@ _key_bases = itertools.count(1)
 
 @pytest.fixture
 def strategy_of(fresh_tfdist_strategy, monkeypatch):
-    """A MirroredStrategy over the first ``replicas`` logical CPUs, with collective keys of its own."""
+    """A MirroredStrategy over the first ``replicas`` logical CPUs, with collective keys of its own (one test may
+    make several)."""
+    from tfdist import state
+
     def make(replicas=2):
+        monkeypatch.setattr(state, "built", None)
         monkeypatch.setattr(tf.distribute.MirroredStrategy, "_collective_key_base", 7_000_000 + 1000 * next(_key_bases))
         return tfdist.get_strategy("mirrored", devices=f"CPU:[0-{replicas - 1}]")
     return make
@@ -310,6 +314,84 @@ def test_which_weights_are_compressed():
     assert c.matrix_shape((16, 16), tf.float32) is None  # 4*32*2 = 256 is not < 256
     assert c.matrix_shape((64, 64), tf.int32) is None
     assert Compression.powersgd(rank=4, min_compression_rate=0).matrix_shape((3, 2), tf.float32) == (3, 2)
+    assert c.matrix_shape((17, 17), tf.float32) == (17, 17)  # 4*34*2 = 272 < 289
+    for shape, dtype in [((), tf.float32), ((0, 5), tf.float32), ((64, 64), tf.float16), ((64, 64), tf.bfloat16)]:
+        assert c.matrix_shape(shape, dtype) is None, (shape, dtype)
+    assert Compression.powersgd(rank=10 ** 9).first_q((6, 5), tf.float32, 0).shape == (5, 5)
+
+
+def test_every_kind_of_weight_in_one_step_scalar_empty_half_precision_small_sparse_and_conv(strategy_of):
+    """Two steps over weights of every kind: the ones PowerSGD leaves out move as exact training moves them; a 3x2
+    matrix under rank 4 and a [3, 3, 2, 4] kernel at rank 4 are spanned (exact too); replicas stay bit-equal; a
+    compressed weight whose gradient is None keeps its value and a zero error feedback."""
+    strategy = strategy_of(2)
+    specs = [((), "float32"), ((0, 5), "float32"), ((8, 7), "float16"), ((8, 7), "bfloat16"), ((7,), "float32"),
+             ((3, 2), "float32"), ((3, 3, 2, 4), "float32"), ((10, 3), "float32")]
+    rng = np.random.RandomState(4)
+    tables = [rng.randn(2, 2, *shape).astype("float32") for shape, _ in specs]
+    with strategy.scope():
+        weights = [keras.Variable(np.zeros(shape), dtype=dtype, name=f"w{i}") for i, (shape, dtype) in enumerate(specs)]
+        unused = keras.Variable(np.ones((6, 5), "float32"), name="unused")  # a frozen or unused branch: None
+        optimizer = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=powersgd(rank=4))
+        optimizer.build(weights + [unused])
+    assert sorted(tuple(e.shape) for e, _ in optimizer._tfdist_powersgd.values()) == [
+        (3, 2), (3, 3, 2, 4), (6, 5), (10, 3)]
+    constants = [tf.cast(t, dtype) for t, (_, dtype) in zip(tables, specs)]
+    step_index = tf.Variable(0)
+
+    @tf.function
+    def step():
+        def on_replica():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [c[step_index][r] for c in constants]
+            rows = tf.constant([1, 4])  # the last, an Embedding's kind of gradient: two rows
+            grads[-1] = tf.IndexedSlices(tf.gather(grads[-1], rows), rows, tf.constant([10, 3]))
+            optimizer.apply_gradients(zip(grads + [None], weights + [unused]))
+        strategy.run(on_replica)
+        step_index.assign_add(1)
+
+    with pytest.warns(UserWarning, match="Gradients do not exist"):
+        step()
+    step()
+    assert_bit_equal_everywhere(strategy, weights)
+    np.testing.assert_array_equal(unused.numpy(), np.ones((6, 5)))
+    assert not any(c.any() for error, _ in optimizer._tfdist_powersgd.values() if error.shape == (6, 5)
+                   for c in copies(strategy, error))
+    for weight, table, (shape, dtype) in zip(weights[:-1], tables, specs):
+        np.testing.assert_allclose(np.asarray(weight.numpy(), "float32"), -table.sum(axis=(0, 1)),
+                                   atol=2e-2 if dtype in ("float16", "bfloat16") else 1e-5, err_msg=f"{shape} {dtype}")
+    assert np.isfinite(weights[-1].numpy()).all() and np.abs(weights[-1].numpy()).max() > 0
+
+
+def test_two_models_in_one_process_keep_their_own_state_through_retraces_and_a_second_compile(strategy_of):
+    """Model 1 trained between model 2's fits (same layer shapes, same optimizer class) ends as when trained alone:
+    a second fit at another batch size, steps_per_execution=3, and compile again with the same optimizer."""
+    strategy = strategy_of(2)
+    x, y = classification_data(384)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def fits(model, between=lambda: None):
+        with strategy.scope():
+            optimizer = tfdist.DistributedOptimizer(keras.optimizers.Adam(1e-3), compression=powersgd(rank=2))
+            model.compile(optimizer, loss, steps_per_execution=3)
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+        between()
+        model.fit(x, y, batch_size=48, epochs=1, verbose=0, shuffle=False)
+        with strategy.scope():
+            model.compile(optimizer, loss)
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False)
+        return model
+
+    with strategy.scope():
+        alone = fits(mlp())
+        first, second = mlp(), mlp()
+    fits(first, between=lambda: fits(second))
+    for got, want in zip(first.get_weights(), alone.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    paths = [v.path for model in (first, second) for v in model.optimizer.variables]
+    assert len(paths) == len(set(paths))
+    assert int(first.optimizer.iterations.numpy()) == 6 + 8 + 6
+    assert_bit_equal_everywhere(strategy, first.weights + second.weights)
 
 
 # Checkpoints ----------------------------------------------------------------------------------------
@@ -341,6 +423,53 @@ def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_pat
     resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
     for got, want in zip(resumed.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_a_checkpoint_of_two_replicas_resumes_on_another_replica_count_to_the_uninterrupted_weights(
+        strategy_of, tmp_path, replicas):
+    """The error feedback saved is the replicas' total; every update depends on that sum alone, so a job restarted
+    with another replica count (one device too: PowerSGD runs there as on N) continues the compressed run."""
+    data = classification_data(384)
+    make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    two = strategy_of(2)
+    whole = train(two, powersgd(rank=1), make, epochs=2, data=data)
+    first = train(two, powersgd(rank=1), make, epochs=1, data=data)
+    path = str(tmp_path / "first.weights.h5")
+    first.save_weights(path)
+    other = strategy_of(replicas)
+    with other.scope():
+        resumed = mlp()
+        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_model_saved_whole_resumes_through_load_weights_into_a_compiled_powersgd_model(strategy_of, tmp_path):
+    """``model.save`` writes the PowerSGD state; ``keras.models.load_model`` rebuilds the plain base optimizer (Keras
+    skips the saved optimizer state with a warning), so docs/compression.md resumes with ``load_weights``."""
+    strategy = strategy_of(2)
+    data = classification_data(384)
+    make = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    whole = train(strategy, powersgd(rank=1), make, epochs=2, data=data)
+    path = str(tmp_path / "first.keras")
+    train(strategy, powersgd(rank=1), make, epochs=1, data=data).save(path)
+    with strategy.scope(), pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
+        plain = keras.models.load_model(path)
+    assert not getattr(plain.optimizer, "tfdist_distributed", False) and int(plain.optimizer.iterations.numpy()) == 0
+    with strategy.scope():
+        resumed = mlp()
+        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
+                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 class _Preempted(Exception):
@@ -494,6 +623,55 @@ def test_under_a_loss_scale_optimizer_the_state_stays_finite_and_replicas_equal(
     for error, q in inner._tfdist_powersgd.values():
         assert all(np.isfinite(c).all() and np.abs(c).max() > 0 for c in copies(strategy, error))
         assert all(np.isfinite(c).all() for c in copies(strategy, q))
+
+
+@pytest.mark.parametrize("overflowing", ["bias", "kernel"])
+def test_a_step_skipped_for_an_overflow_on_one_replica_keeps_the_state_on_every_replica(strategy_of, overflowing):
+    """LossScaleOptimizer skips a step whose reduced gradients are not all finite; an inf in ONE replica's gradient of
+    an exact-travelling bias, or of a compressed kernel, leaves the error feedback, Q and weights as they were."""
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(3)
+    kernels, biases = rng.randn(2, 2, 8, 7).astype("float32"), rng.randn(2, 2, 7).astype("float32")
+    (biases if overflowing == "bias" else kernels)[1, 1, 0] = np.inf  # step 2, replica 1 only
+    with strategy.scope():
+        kernel = keras.Variable(np.zeros((8, 7), "float32"), name="kernel")
+        bias = keras.Variable(np.zeros(7, "float32"), name="bias")
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=powersgd(rank=1))
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0)
+        optimizer.build([kernel, bias])
+    (error, q), = inner._tfdist_powersgd.values()
+
+    def state():
+        return copies(strategy, error) + copies(strategy, q) + [kernel.numpy()]
+
+    apply_steps(strategy, optimizer, [kernel, bias], [kernels[:1], biases[:1]], 1)
+    before = state()
+    apply_steps(strategy, optimizer, [kernel, bias], [kernels[1:], biases[1:]], 1)
+    assert int(inner.iterations.numpy()) == 1 and float(optimizer.dynamic_scale.numpy()) == 0.5
+    for got, want in zip(state(), before):
+        np.testing.assert_array_equal(got, want)
+    assert_bit_equal_everywhere(strategy, [q, kernel, bias])
+
+
+def test_under_mixed_float16_an_overflow_in_one_replicas_forward_pass_skips_the_step_everywhere(
+        strategy_of, restore_dtype_policy):
+    strategy = strategy_of(2)
+    x, y = classification_data(256)
+    x[64 + 40, 0] = 1e6  # the second batch, replica 1's half: inf in float16
+    keras.config.set_dtype_policy("mixed_float16")
+    with strategy.scope():
+        model = mlp()
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=powersgd(rank=2))
+        model.compile(keras.optimizers.LossScaleOptimizer(inner), keras.losses.SparseCategoricalCrossentropy(True))
+    states = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: states.append(
+        [c for e, q in inner._tfdist_powersgd.values() for c in copies(strategy, e) + copies(strategy, q)]))
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0, shuffle=False, callbacks=[record])
+    assert int(inner.iterations.numpy()) == 3  # one of four steps skipped
+    for got, want in zip(states[1], states[0]):
+        np.testing.assert_array_equal(got, want)
+    assert all(np.isfinite(c).all() for c in states[-1])
+    assert_bit_equal_everywhere(strategy, model.weights + [q for _, q in inner._tfdist_powersgd.values()])
 
 
 def test_the_benchmark_counts_the_bytes_each_setup_sends():

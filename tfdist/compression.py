@@ -81,9 +81,10 @@ class PowerSGD(Compressor):
         approx = P @ Q^T          # the same on every replica: the gradient applied
         e = M - approx * share    # share: this replica's part of the reduced value (1/N for a sum)
 
-    r * (n + m) numbers travel instead of n * m. Vectors, scalars, integer and sparse
-    (``tf.IndexedSlices``, an ``Embedding``'s) gradients, and matrices too small to gain, travel
-    exact. For the first ``start_step`` optimizer steps every gradient travels exact (PyTorch's
+    r * (n + m) numbers travel instead of n * m. Vectors, scalars, integer, float16 and bfloat16
+    gradients, and matrices too small to gain, travel exact; a sparse gradient (an ``Embedding``'s
+    ``tf.IndexedSlices``) is made dense and compressed. One replica runs it too (the
+    all-reduces are the identity), so a result does not depend on the replica count. For the first ``start_step`` optimizer steps every gradient travels exact (PyTorch's
     ``start_powerSGD_iter``) and the error feedback stays zero. Config only: the state (``e``
     per replica, ``Q``) belongs to the optimizer that applies the gradients, so one
     ``PowerSGD`` may serve several optimizers.
@@ -145,7 +146,8 @@ class PowerSGD(Compressor):
         return tf.random.stateless_normal([m, min(self.rank, n, m)], seed=[self.seed, index], dtype=dtype)
 
     def reduce(self, gradients: Sequence[tf.Tensor], errors: Sequence[tf.Tensor], qs: Sequence[tf.Tensor],
-               step: tf.Tensor, allreduce: Callable[[list], list], share: float) -> tuple[list, list, list]:
+               step: tf.Tensor, allreduce: Callable[[list], list], share: float,
+               others_finite: tf.Tensor | None = None) -> tuple[list, list, list]:
         """The reduced gradients of compressible weights, with their new error feedback and Q.
 
         One implementation for every front: ``allreduce`` sums or averages a list of tensors over
@@ -155,7 +157,8 @@ class PowerSGD(Compressor):
         feedback (the weights' shapes), ``qs`` the Qs. For ``step < start_step`` the gradients
         are all-reduced exact and the state comes back unchanged. Two collectives a step (all
         P, then all Q), each one fused call. A non-finite P or Q (an overflow on any replica:
-        the same on all) keeps the old state, so a skipped loss-scaling step does not poison it.
+        the same on all), or ``others_finite`` False (the reduced gradients travelling exact are
+        not all finite), keeps the old state: a step loss scaling skips leaves it as it was.
         """
         gradients, errors, qs = list(gradients), list(errors), list(qs)
         if not gradients:
@@ -171,7 +174,9 @@ class PowerSGD(Compressor):
             ps = allreduce([tf.matmul(mat, q) for mat, q in zip(matrices, qs)])
             ps = [tf.linalg.qr(p)[0] for p in ps]
             new_qs = allreduce([tf.matmul(mat, p, transpose_a=True) for mat, p in zip(matrices, ps)])
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in ps + new_qs])
+            finite = all_finite(ps + new_qs)
+            if others_finite is not None:
+                finite = tf.logical_and(finite, others_finite)
             approx = [tf.matmul(p, q, transpose_b=True) for p, q in zip(ps, new_qs)]
             new_errors = [tf.where(finite, tf.reshape(mat - a * tf.cast(share, a.dtype), e.shape), e)
                           for mat, a, e in zip(matrices, approx, errors)]
@@ -181,6 +186,12 @@ class PowerSGD(Compressor):
         if self.start_step == 0:
             return compressed()
         return tf.cond(tf.cast(step, tf.int64) < self.start_step, exact, compressed)
+
+
+def all_finite(tensors: Sequence) -> tf.Tensor:
+    """Whether every floating-point tensor (or ``tf.IndexedSlices``) in ``tensors`` is finite: a bool tensor."""
+    checks = [tf.reduce_all(tf.math.is_finite(getattr(t, "values", t))) for t in tensors if t.dtype.is_floating]
+    return tf.reduce_all(checks) if checks else tf.constant(True)
 
 
 class Compression:

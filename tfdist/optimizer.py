@@ -18,6 +18,8 @@ optimizer's slots and saved with them. ``TFDIST_COMPRESSION`` (``none``, ``fp16`
 
 from __future__ import annotations
 
+from typing import Callable
+
 import keras
 import tensorflow as tf
 
@@ -177,21 +179,24 @@ class _DistributedMixin:
         """Matrices through ``PowerSGD.reduce`` (two collectives), the rest exact in Keras' buckets."""
         context = tf.distribute.get_replica_context()
         states = getattr(self, "_tfdist_powersgd", {})
-        if context is None or context.num_replicas_in_sync <= 1 or not states:
+        if context is None or not states:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         chosen = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and self._var_key(v) in states]
-        rest = [(None, v) if i in chosen else (g, v) for i, (g, v) in enumerate(grads_and_vars)]
-        # Keras refuses a call with no gradient at all: with every gradient compressed there is nothing left
-        result = super()._all_reduce_sum_gradients(rest) if any(g is not None for g, _ in rest) else rest
+        exact = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in chosen]
+        result = list(grads_and_vars)
+        # Keras refuses a call with no gradient at all (and, on one replica, warns wrongly of a None one): only the rest
+        if exact:
+            for i, pair in zip(exact, super()._all_reduce_sum_gradients([grads_and_vars[i] for i in exact])):
+                result[i] = pair
         if not chosen:
             return result
-        strategy = tf.distribute.get_strategy()
         pairs = [states[self._var_key(grads_and_vars[i][1])] for i in chosen]
         reduced, errors, qs = self.compression.reduce(
             # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
             [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
-            self.iterations, lambda tensors: _replica_all_reduce(strategy, context, tensors),
-            share=1.0 / context.num_replicas_in_sync)
+            self.iterations, _replica_all_reduce(context), share=1.0 / context.num_replicas_in_sync,
+            # an overflow in a gradient sent exact skips the step (LossScaleOptimizer): PowerSGD's state stays too
+            others_finite=compression_lib.all_finite([result[i][0] for i in exact]))
         for (error, q), new_error, new_q in zip(pairs, errors, qs):
             error.assign(new_error)
             q.assign(new_q)
@@ -231,23 +236,29 @@ def powersgd_state(optimizer, compression, variables) -> dict:
     return states
 
 
-def _replica_all_reduce(strategy, context, tensors: list) -> list:
-    """The sums of ``tensors`` over the replicas, from replica context with no ``merge_call``.
+def _replica_all_reduce(context) -> Callable[[list], list]:
+    """The sum over the replicas of ``context`` as a function of a list of tensors; with one replica, the identity.
 
-    ``ReplicaContext.all_reduce`` goes through ``merge_call`` under MirroredStrategy and
-    MultiWorkerMirroredStrategy, which fails inside the ``tf.cond`` of PowerSGD's warm-up;
+    One replica (one device, or a job restarted on fewer devices) runs PowerSGD as N do, so a
+    run's result does not depend on its replica count. ``ReplicaContext.all_reduce`` goes
+    through ``merge_call`` under MirroredStrategy and MultiWorkerMirroredStrategy, which fails
+    inside the ``tf.cond`` of PowerSGD's warm-up;
     their collective cross-device ops launch from one replica as TensorFlow's own replica-context
     path does (``MirroredExtended._replica_ctx_all_reduce``, used without merge_call under XLA).
     """
+    if context.num_replicas_in_sync == 1:
+        return list
+    strategy = tf.distribute.get_strategy()
     ops = getattr(strategy.extended, "_cross_device_ops", None) or getattr(
-        strategy.extended, "_get_cross_device_ops", lambda value: None)(tensors)
+        strategy.extended, "_get_cross_device_ops", lambda value: None)(None)
     if not callable(getattr(ops, "_all_reduce", None)):
         raise CompressionError(
             f"Compression.powersgd needs collective all-reduce under {type(strategy).__name__}; this one uses "
             f"{type(ops).__name__}. On CPUs build it with no cross_device_ops (TensorFlow's choice there is collective), "
             "use tf.distribute.MultiWorkerMirroredStrategy, or use Compression.fp16.")
     options = tf.distribute.experimental.CommunicationOptions()
-    return list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id, options))
+    return lambda tensors: list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id,
+                                                options))
 
 
 def _distributed_class(base: type, mixin: type = _DistributedMixin) -> type:
