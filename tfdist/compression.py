@@ -84,7 +84,8 @@ class PowerSGD(Compressor):
     r * (n + m) numbers travel instead of n * m. Vectors, scalars, integer, float16 and bfloat16
     gradients, and matrices too small to gain, travel exact; a sparse gradient (an ``Embedding``'s
     ``tf.IndexedSlices``) is made dense and compressed. One replica runs it too (the
-    all-reduces are the identity), so a result does not depend on the replica count. For the first ``start_step`` optimizer steps every gradient travels exact (PyTorch's
+    all-reduces are the identity), so a result does not depend on the replica count. For the
+    first ``start_step`` optimizer steps every gradient travels exact (PyTorch's
     ``start_powerSGD_iter``) and the error feedback stays zero. Config only: the state (``e``
     per replica, ``Q``) belongs to the optimizer that applies the gradients, so one
     ``PowerSGD`` may serve several optimizers.
