@@ -18,6 +18,9 @@ job each, in alternating order every round (``--setups`` picks; ``--list`` print
 * ``defaults``: 2 workers with autotune on (tfdist's default until issue 52; ``TFDIST_AUTOTUNE=1``
   now; tfdist's defaults today are ``fixed 4M/1M``): autotune picks the bucket setting in the
   warm-up steps (``tfdist.autotune``; a fresh record file per job, so every job measures);
+* ``as shipped``: 2 workers, tfdist as a user runs it (no ``TFDIST_AUTOTUNE`` set, no record file
+  chosen); ``autotune off``: the same with ``TFDIST_AUTOTUNE=0`` (issue 52's measure compares these
+  two, with ``--warmup 10 --steps 100``);
 * ``fixed one-pack``, ``fixed 4M/1M`` (the buckets before autotune), ``fixed 4M/4K``, ...:
   2 workers, autotune off, one fixed exact setting each (every entry of
   ``tfdist.autotune.GRID``, bucket/first bucket), 2 inter-op threads as tfdist sets them;
@@ -28,7 +31,7 @@ job each, in alternating order every round (``--setups`` picks; ``--list`` print
 * a `` fp16`` suffix: ``DistributedOptimizer(compression=Compression.fp16)``; `` accum4``:
   ``DistributedOptimizer(backward_passes_per_step=4)``.
 
-Every setup trains ``WARMUP_STEPS`` steps (tracing, and autotune settling) before the timed
+Every setup trains ``--warmup`` steps (default ``WARMUP_STEPS``: tracing, and autotune settling) before the timed
 steps. Prints images/s of the whole job and the ratio to the 1-worker job of the same round for
 every round; the medians; ``defaults`` against the best fixed setting of the same run (the
 issue's goal: >= 0.97; the ratio of the two medians, and the median of each round's ratio, the
@@ -63,6 +66,7 @@ WARMUP_STEPS = 160  # tracing, then autotune's 3 candidates x (a first call + 2 
 class Setup:
     workers: int = 2
     buckets: tuple[int, int] | None = None  # (bucket_bytes, first): fixed, autotune off; None: tfdist's defaults
+    autotune: str | None = "1"              # with buckets None: TFDIST_AUTOTUNE's value (None: left unset)
     one_thread: bool = False                # 1 inter-op thread (TensorFlow's default on one core)
     fp16: bool = False
     passes: int = 1                         # backward passes per step
@@ -81,7 +85,8 @@ def setups() -> dict[str, Setup]:
     fixed = {("fixed one-pack" if b == 0 else f"fixed {_short(b)}/{_short(f)}"): Setup(buckets=(b, f))
              for b, f in autotune.GRID}
     base = {"defaults": Setup(), **fixed, "one-pack 1 thread": Setup(buckets=(0, 0), one_thread=True)}
-    setups = {"1 worker": Setup(workers=1), "before": Setup(buckets=(0, 0), one_thread=True, before=True), **base}
+    setups = {"1 worker": Setup(workers=1), "before": Setup(buckets=(0, 0), one_thread=True, before=True),
+              "as shipped": Setup(autotune=None), "autotune off": Setup(autotune="0"), **base}
     setups.update({f"{name} fp16": dataclasses.replace(setup, fp16=True) for name, setup in base.items()})
     setups.update({f"{name} accum4": dataclasses.replace(setup, passes=4) for name, setup in base.items()})
     return setups
@@ -140,8 +145,9 @@ def worker(args: argparse.Namespace) -> None:
     if setup.before:
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "false"
         strategy_options["collective_timeout"] = 600
-    if setup.buckets is None:  # autotune on (the default until issue 52), measuring afresh in every job
-        os.environ.update(TFDIST_AUTOTUNE="1", TFDIST_AUTOTUNE_FILE=os.path.join(args.out, f"autotune{rank}.json"))
+    if setup.buckets is None and setup.autotune is not None:  # "1": measuring afresh in every job
+        os.environ.update(TFDIST_AUTOTUNE=setup.autotune,
+                          TFDIST_AUTOTUNE_FILE=os.path.join(args.out, f"autotune{rank}.json"))
     import keras
     import tensorflow as tf
 
@@ -162,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
                 compression=tfdist.Compression.fp16 if setup.fp16 else tfdist.Compression.none)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     data = synthetic_data(setup.workers)
-    model.fit(data, epochs=1, steps_per_epoch=WARMUP_STEPS, verbose=0)  # tracing, autotune, warm-up
+    model.fit(data, epochs=1, steps_per_epoch=args.warmup, verbose=0)  # tracing, autotune, warm-up
     from tfdist import autotune
 
     choice = autotune.last_choice()
@@ -190,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
 def run_job(setup: str, hosts, args: argparse.Namespace, trace: bool, port: int) -> dict:
     """One ``tfdist run`` job of ``setup``; returns the chief's result."""
     job = [str(pathlib.Path(__file__).resolve()), "--job", setup, "--steps", str(args.steps),
-           *(["--trace"] if trace else [])]
+           "--warmup", str(args.warmup), *(["--trace"] if trace else [])]
     return launch(job, setups()[setup].workers, hosts, args.link, port)
 
 
@@ -267,6 +273,10 @@ def report(rounds: list[dict], setups: list[str], args: argparse.Namespace) -> N
         print(f"{setup:<24}{ratio:>13.2f}{cpu:>10.1f}{tail or '':>20}   {cells}")
     for suffix in ("", " fp16", " accum4"):
         against_best(rounds, setups, suffix)
+    if {"as shipped", "autotune off"} <= set(setups):  # issue 52's measure: >= 0.97
+        paired = [r["as shipped"]["images_per_sec"] / r["autotune off"]["images_per_sec"] for r in rounds]
+        print(f"as shipped / autotune off: {statistics.median(paired):.3f} (median of the rounds' ratios); each round: "
+              + ", ".join(f"{value:.2f}" for value in paired))
     bits = rate_bits(args.rate) if args.link == "veth" else None
     first = rounds[0]
     gradient_bytes = first[setups[-1]]["gradient_bytes"]
@@ -309,6 +319,8 @@ def main() -> None:
     parser.add_argument("--rate", default="1gbit", help="tbf rate on both veth ends (e.g. 2gbit, 500mbit) or none")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=192)
+    parser.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="untimed steps first (default: %(default)s, "
+                                                                        "autotune's trials settle within them)")
     parser.add_argument("--setups", help="comma-separated setups (default: 1 worker, defaults, every fixed float32 "
                                          "setting, one-pack 1 thread); --list names them all")
     parser.add_argument("--list", action="store_true", help="print every setup's name and exit")
