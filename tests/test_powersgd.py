@@ -408,11 +408,7 @@ def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_pat
     path = str(tmp_path / "first.weights.h5")
     first.save_weights(path)
     totals = [sum(copies(strategy, e)) for e, _ in first.optimizer._tfdist_powersgd.values()]
-    with strategy.scope():
-        resumed = mlp()
-        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
-                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        resumed.optimizer.build(resumed.trainable_variables)
+    resumed = _built_powersgd_model(strategy, make)
     resumed.load_weights(path)
     assert int(resumed.optimizer.iterations.numpy()) == 384 // 64
     for (error, q), total, (_, first_q) in zip(resumed.optimizer._tfdist_powersgd.values(), totals,
@@ -423,6 +419,25 @@ def test_the_state_is_saved_and_restored_with_the_optimizer(strategy_of, tmp_pat
     resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
     for got, want in zip(resumed.get_weights(), whole.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def _built_powersgd_model(strategy, make):
+    """The MLP compiled under ``strategy`` with ``make()`` in a rank-1 PowerSGD DistributedOptimizer, built."""
+    with strategy.scope():
+        model = mlp()
+        model.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _assert_resumes_to(strategy, make, path, data, whole):
+    """A PowerSGD model built under ``strategy`` loads the weights file ``path`` and trains one epoch to ``whole``."""
+    resumed = _built_powersgd_model(strategy, make)
+    resumed.load_weights(path)
+    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("replicas", [1, 4])
@@ -438,15 +453,7 @@ def test_a_checkpoint_of_two_replicas_resumes_on_another_replica_count_to_the_un
     path = str(tmp_path / "first.weights.h5")
     first.save_weights(path)
     other = strategy_of(replicas)
-    with other.scope():
-        resumed = mlp()
-        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
-                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        resumed.optimizer.build(resumed.trainable_variables)
-    resumed.load_weights(path)
-    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
-    for got, want in zip(resumed.get_weights(), whole.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    _assert_resumes_to(other, make, path, data, whole)
 
 
 def test_a_model_saved_whole_resumes_through_load_weights_into_a_compiled_powersgd_model(strategy_of, tmp_path):
@@ -461,15 +468,7 @@ def test_a_model_saved_whole_resumes_through_load_weights_into_a_compiled_powers
     with strategy.scope(), pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
         plain = keras.models.load_model(path)
     assert not getattr(plain.optimizer, "tfdist_distributed", False) and int(plain.optimizer.iterations.numpy()) == 0
-    with strategy.scope():
-        resumed = mlp()
-        resumed.compile(tfdist.DistributedOptimizer(make(), compression=powersgd(rank=1)),
-                        keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        resumed.optimizer.build(resumed.trainable_variables)
-    resumed.load_weights(path)
-    resumed.fit(*data, batch_size=64, epochs=1, verbose=0, shuffle=False)
-    for got, want in zip(resumed.get_weights(), whole.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    _assert_resumes_to(strategy, make, path, data, whole)
 
 
 class _Preempted(Exception):
