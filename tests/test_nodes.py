@@ -305,9 +305,10 @@ def test_no_worker_of_two_nodes_outlives_a_signalled_launcher(tmp_path, victim, 
                                   stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         pids = wait_for_pids(tmp_path, 2)
-        for name in signals:
+        for i, name in enumerate(signals):
+            if i:
+                time.sleep(1)  # the launcher has taken the first signal
             processes[victim].send_signal(getattr(signal, name))
-            time.sleep(1)
         assert all_gone(pids, within=20)
         outputs = [p.communicate(timeout=60)[0] for p in processes]
     finally:
