@@ -25,7 +25,8 @@ ALL_STEPS = [[e, b] for e in range(EPOCHS) for b in range(STEPS)]
 GRACE = ("--grace-period", "25")
 # For a stop that must fail or run the grace period out: 6 s gives the agreed stop 3 s to hear from every worker
 # (the grace period less tfdist.preemption's 3 s margin), well before TensorFlow's heartbeats fail a frozen peer (11 s).
-SHORT_GRACE = ("--grace-period", "6", "--hang-timeout", "0")
+SHORT_GRACE_S = "6"
+SHORT_GRACE = ("--grace-period", SHORT_GRACE_S, "--hang-timeout", "0")
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +375,7 @@ def test_a_frozen_store_holder_does_not_hang_the_job(tmp_path):
     no hang timeout acted; the job ran until --timeout). Now the job ends well inside it, naming the failure."""
     began = time.monotonic()
     result = run_job("plane_edges_job.py", tmp_path, "frozen", timeout=150,
-                     launcher_args=("--grace-period", "10", "--hang-timeout", "20"))
+                     launcher_args=("--grace-period", SHORT_GRACE_S, "--hang-timeout", "20"))
     assert result.returncode not in (0, 124) and time.monotonic() - began < 100, result.output[-3000:]
     assert "ran past --timeout" not in result.output
 
