@@ -208,7 +208,10 @@ def test_a_waiting_node_is_read_while_it_waits_and_noticed_when_it_dies(tmp_path
     (no ping of theirs is left unread), says when one of them is killed, and takes the other in after it waited
     longer than SILENCE_SECONDS (30 s), when node 1 leaves: its worker runs and the job finishes."""
     master = master_address()
-    worker = [sys.executable, str(WORKERS / "elastic_toy.py"), str(tmp_path), "300"]
+    # Enough steps that the job cannot finish before node 1 leaves: about 3 + 37.5 s / 0.2 s = 190 steps are done
+    # by then at most (a step is a 0.2 s sleep: a loaded machine makes it longer, never shorter); 60 to spare.
+    total = 250
+    worker = [sys.executable, str(WORKERS / "elastic_toy.py"), str(tmp_path), str(total)]
     command = node_command(None, "2:2", master, worker, timeout=240)
     nodes = [start_node(command), start_node(command)]
     try:
@@ -222,6 +225,7 @@ def test_a_waiting_node_is_read_while_it_waits_and_noticed_when_it_dies(tmp_path
         time.sleep(max(0.0, began + 35 - time.monotonic()))
         unread = _unread_at(int(master.rsplit(":", 1)[1]))
         leaving = next(n for n in nodes if n.pid == next(r for r in rounds(tmp_path) if r["node"] == 1)["launcher"])
+        assert len(steps(tmp_path)) < total - 20, "the job is nearly done before node 1 leaves: raise the steps"
         leaving.send_signal(signal.SIGTERM)
         wait_for(lambda: any(r["launcher"] == waiting.pid for r in rounds(tmp_path)), "the waiting node's worker")
     finally:
@@ -236,7 +240,7 @@ def test_a_waiting_node_is_read_while_it_waits_and_noticed_when_it_dies(tmp_path
     assert "the job runs on its most nodes, 2 (--nnodes 2:2): waiting for one to leave" in outputs[waiting.pid].output
     assert "all workers finished on 2 nodes" in outputs[waiting.pid].output
     assert not any("signature check" in r.output for r in results)
-    assert [step for step, _ in steps(tmp_path)] == list(range(1, 301))
+    assert [step for step, _ in steps(tmp_path)] == list(range(1, total + 1))
     assert nothing_left(tmp_path)
 
 

@@ -45,8 +45,7 @@ def wait_for_pids(tmp_path, count, within=60):
     while len(worker_pids(tmp_path)) < count and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(worker_pids(tmp_path)) == count, f"only {len(worker_pids(tmp_path))} of {count} workers started"
-    time.sleep(0.5)  # the workers set their SIGTERM handler right after writing their pid
-    return worker_pids(tmp_path)
+    return worker_pids(tmp_path)  # toy_worker.py sets its SIGTERM handler before it writes its pid
 
 
 def worker_pids(tmp_path):
@@ -134,9 +133,10 @@ def test_no_worker_outlives_its_launcher(tmp_path, signals, exit_code):
     launcher = subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         pids = wait_for_pids(tmp_path, 2)
-        for name in signals:
+        for i, name in enumerate(signals):
+            if i:
+                time.sleep(1)  # the launcher has taken the first signal
             launcher.send_signal(getattr(signal, name))
-            time.sleep(1)
         started = time.monotonic()
         output, _ = launcher.communicate(timeout=LAUNCH_TIMEOUT)
         assert all_gone(pids, within=20), output

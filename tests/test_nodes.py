@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.jobs import WORKERS, job_env
-from tests.nodes_jobs import node_command, run_nodes
+from tests.nodes_jobs import node_command, run_nodes, wait_for
 from tests.test_launcher import alive, all_gone, wait_for_pids, worker_pids
 from tfdist.launch import local
 
@@ -305,9 +305,10 @@ def test_no_worker_of_two_nodes_outlives_a_signalled_launcher(tmp_path, victim, 
                                   stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         pids = wait_for_pids(tmp_path, 2)
-        for name in signals:
+        for i, name in enumerate(signals):
+            if i:
+                time.sleep(1)  # the launcher has taken the first signal
             processes[victim].send_signal(getattr(signal, name))
-            time.sleep(1)
         assert all_gone(pids, within=20)
         outputs = [p.communicate(timeout=60)[0] for p in processes]
     finally:
@@ -409,12 +410,20 @@ def test_a_master_out_of_descriptors_keeps_accepting():
     port = local.free_ports(1)[0]
     process = subprocess.Popen([sys.executable, "-c", MASTER_AT_ITS_LIMIT, str(port)], env=job_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    flood = []
+    flood, said = [], []
     try:
         assert process.stdout.readline() == "listening\n"
+
+        def read():  # what the master says, line by line as it says it
+            for line in process.stdout:
+                said.append(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         for _ in range(40):
             flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        time.sleep(2)  # the master hits its limit meanwhile
+        wait_for(lambda: any("out of resources to accept it" in line for line in said), "the master to hit its limit",
+                 timeout=60)
         for sock in flood:
             sock.close()
         deadline = time.monotonic() + 60
@@ -433,7 +442,9 @@ def test_a_master_out_of_descriptors_keeps_accepting():
         while (message := channel.recv(timeout=30))["type"] == "ping":
             pass
         assert message == {"type": "end", "exit_code": 0, "message": "all workers finished on 1 nodes"}
-        output = process.communicate(timeout=30)[0]
+        process.wait(timeout=30)
+        reader.join(30)
+        output = "".join(said)
     finally:
         process.kill()
         for sock in flood:

@@ -23,6 +23,10 @@ from tfdist.launch import local
 EPOCHS, STEPS = 3, 8
 ALL_STEPS = [[e, b] for e in range(EPOCHS) for b in range(STEPS)]
 GRACE = ("--grace-period", "25")
+# For a stop that must fail or run the grace period out: 6 s gives the agreed stop 3 s to hear from every worker
+# (the grace period less tfdist.preemption's 3 s margin), well before TensorFlow's heartbeats fail a frozen peer (11 s).
+SHORT_GRACE_S = "6"
+SHORT_GRACE = ("--grace-period", SHORT_GRACE_S, "--hang-timeout", "0")
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +218,7 @@ def test_a_sigterm_after_a_custom_loop_or_hvd_elastic_run_takes_its_default_acti
 
 @pytest.mark.parametrize("mode", ["unanswered", "unanswered-elastic"])
 def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying_so(tmp_path, mode):
-    result = run_job("stop_edges_job.py", tmp_path, mode, timeout=120,
-                     launcher_args=("--grace-period", "10", "--hang-timeout", "0"))
+    result = run_job("stop_edges_job.py", tmp_path, mode, timeout=120, launcher_args=SHORT_GRACE)
     ended = time.time()
     assert result.returncode == 1, result.output[-3000:]
     assert "but worker 1 did not answer in time (it may have died, or be stuck in a step)" in result.output
@@ -224,12 +227,11 @@ def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying
 
 def test_a_signal_while_waiting_inside_tensorflow_takes_its_default_action_after_the_grace_period(tmp_path):
     """Python runs signal handlers between bytecodes only: the stop thread notes the signal at once instead."""
-    result = run_job("stop_edges_job.py", tmp_path, "blocked", timeout=120,
-                     launcher_args=("--grace-period", "10", "--hang-timeout", "0"))
+    result = run_job("stop_edges_job.py", tmp_path, "blocked", timeout=120, launcher_args=SHORT_GRACE)
     ended = time.time()
     assert result.returncode == 128 + signal.SIGTERM, result.output[-3000:]
     assert ("[0] tfdist: worker 0: SIGTERM takes its default action: no agreed step honoured it within the grace "
-            "period (10 s)") in result.output
+            "period (6 s)") in result.output
     assert ended - (tmp_path / "signalled").stat().st_mtime < 25  # not the 40 s worker 1 sleeps
 
 
@@ -373,7 +375,7 @@ def test_a_frozen_store_holder_does_not_hang_the_job(tmp_path):
     no hang timeout acted; the job ran until --timeout). Now the job ends well inside it, naming the failure."""
     began = time.monotonic()
     result = run_job("plane_edges_job.py", tmp_path, "frozen", timeout=150,
-                     launcher_args=("--grace-period", "10", "--hang-timeout", "20"))
+                     launcher_args=("--grace-period", SHORT_GRACE_S, "--hang-timeout", "20"))
     assert result.returncode not in (0, 124) and time.monotonic() - began < 100, result.output[-3000:]
     assert "ran past --timeout" not in result.output
 

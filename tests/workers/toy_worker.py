@@ -10,6 +10,8 @@ import time
 out_dir, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["TFDIST_WORKER_INDEX"])
 attempt = int(os.environ["TFDIST_RESTART"])
+if mode == "ignore_term":  # before the pid file appears: a test signals as soon as it sees it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as TensorFlow's preemption handler can
 (out_dir / f".pid{rank}.{attempt}.tmp").write_text(str(os.getpid()))  # appears whole: tests read pid* any time
 os.replace(out_dir / f".pid{rank}.{attempt}.tmp", out_dir / f"pid{rank}.{attempt}")
 with open(out_dir / "starts", "a") as starts:  # one line per start (pid files of an attempt overwrite each other)
@@ -48,6 +50,4 @@ if mode == "port_clash" and attempt == 0 and rank == 1:  # as tfdist does when T
     sys.exit(1)
 if mode == "port_clash" and attempt > 0:
     sys.exit(0)
-if mode == "ignore_term":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as TensorFlow's preemption handler can
 time.sleep(120)
