@@ -7,8 +7,9 @@ alternating order, and prints per worker:
 * the optimizer state one replica holds (``tfdist.optimizer_state_bytes``),
 * the peak resident memory of the worker process (``ru_maxrss`` when ``fit`` returns) and the most
   bytes TensorFlow's allocator held at once (its BFC allocator's peak: tensors and variables), and
-* ms/step over the last half of the steps, and the seconds a ``save_weights`` takes (a sharded save
-  gathers the slots: what a preemption's grace period must hold);
+* ms/step over the last half of the steps, then the seconds and the peak resident memory after a
+  ``tfdist.CheckpointManager`` save (each worker writes its own part) and after a ``save_weights``
+  (a sharded one gathers the slots);
 
 then the peak memory saved as a fraction of the whole optimizer state (the goal: >= 40% at 2 workers)
 and the sharded/whole step-time ratio. ``--devices N`` does the same in one process over N logical CPUs.
@@ -75,6 +76,10 @@ def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: i
     half = times[len(times) // 2:]
     rank = int(os.environ.get("TFDIST_WORKER_INDEX", "0"))
     peak_rss, peak_tensors = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, _peak_tensor_bytes(tf)
+    start = time.perf_counter()  # every worker writes its own part: its shards and its share of the weights
+    tfdist.CheckpointManager(os.path.join(out, "checkpoints"), async_save=False).save(model)
+    manager_seconds = time.perf_counter() - start
+    peak_after_manager = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()  # every worker saves (a sharded save gathers the slots), each to its own file
     model.save_weights(os.path.join(out, f"{rank}.weights.h5"))
     save_seconds = time.perf_counter() - start
@@ -83,6 +88,8 @@ def worker(out: str, shard: bool, steps: int, devices: int, width: int, depth: i
         "state_bytes": tfdist.optimizer_state_bytes(model.optimizer),
         "peak_rss_bytes": peak_rss,  # training's peak; the save's own is below
         "peak_tensor_bytes": peak_tensors,
+        "peak_rss_after_manager_bytes": peak_after_manager,  # CheckpointManager's save, before save_weights
+        "manager_seconds": manager_seconds,
         "peak_rss_after_save_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "ms_per_step": 1000 * (half[-1] - half[0]) / (len(half) - 1),
         "save_seconds": save_seconds,
@@ -183,6 +190,9 @@ def rounds(args, hosts=None) -> None:
                   + (f" (TensorFlow's peak tensor bytes: saved {tensors_saved[-1]:.2f})" if tensors_saved else "")
                   + "; "
                   f"{on['ms_per_step']:.1f} / {off['ms_per_step']:.1f} ms/step ({ratios[-1]:.3f})"
+                  + f"; CheckpointManager save {on['manager_seconds']:.2f} s / {off['manager_seconds']:.2f} s, peak RSS "
+                  f"after it {on['peak_rss_after_manager_bytes'] / 2**20:.0f} MB / "
+                  f"{off['peak_rss_after_manager_bytes'] / 2**20:.0f} MB"
                   + f"; save_weights {on['save_seconds']:.2f} s / {off['save_seconds']:.2f} s, peak RSS after it "
                   f"{on['peak_rss_after_save_bytes'] / 2**20:.0f} MB / {off['peak_rss_after_save_bytes'] / 2**20:.0f} MB",
                   flush=True)
