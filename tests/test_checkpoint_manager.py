@@ -246,3 +246,75 @@ def test_export_names_what_is_missing(tmp_path):
                           env=job_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"no committed checkpoint in {str(tmp_path)!r}" in done.stderr
+
+
+def test_a_rerun_removes_the_partial_checkpoints_a_killed_run_left(tmp_path):
+    """A job killed while it wrote leaves its .partial-<token>-N folder; the next run's manager (another token)
+    removes it when it first saves, so the staged copies of dead runs do not fill the disk."""
+    stale = tmp_path / ".partial-deadbeef0000-3"
+    stale.mkdir()
+    (stale / "part-0.npz").write_bytes(b"x" * 1000)
+    (tmp_path / ".partial-deadbeef0000-2.replaced").mkdir()  # a commit of the same step killed half way
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path))
+    manager.save(model)
+    manager.wait()
+    assert sorted(os.listdir(tmp_path)) == [".owner", "step-0"]
+
+
+def test_a_save_older_than_the_newest_checkpoint_is_a_named_error_and_removes_nothing(tmp_path):
+    """A run that did not restore saves step 4 where step 8 is: it would not be the latest (restore reads step 8)
+    and max_to_keep=1 removed it at once, while save returned its path."""
+    ahead = _model(_strategy(1), False)
+    ahead.fit(X, Y, batch_size=12, epochs=2, verbose=0)
+    kept = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1).save(ahead)
+    behind = _model(_strategy(1), False)
+    behind.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1)
+    manager.save(behind)
+    with pytest.raises(CheckpointError, match=r"step 4 is older than the newest checkpoint in .* \(step-8\): .*"
+                                              r"manager\.restore\(model\) before training, or save into another "
+                                              r"directory"):
+        manager.wait()
+    assert manager.latest == kept and [s for s, _ in store.committed(str(tmp_path))] == [8]
+
+
+def test_a_restore_whose_checkpoint_another_manager_removes_meanwhile_reads_the_newer_one(tmp_path, monkeypatch):
+    """Another process's manager commits step 8 and removes step 4 (max_to_keep=1) between this restore's choice of
+    step 4 and its read: the restore reads step 8 instead of failing with FileNotFoundError."""
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    writer = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    writer.save(model)
+    read_manifest = store.read_manifest
+
+    def save_first(path):
+        monkeypatch.setattr(store, "read_manifest", read_manifest)
+        model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+        writer.save(model)
+        return read_manifest(path)
+
+    monkeypatch.setattr(store, "read_manifest", save_first)
+    restored = _model(_strategy(1), False)
+    assert tfdist.CheckpointManager(str(tmp_path)).restore(restored) == 8
+    _assert_state_equal(_state(restored), _state(model))
+
+
+def test_saves_called_from_several_threads_at_once_each_commit(tmp_path):
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager, errors = tfdist.CheckpointManager(str(tmp_path)), []
+
+    def save():
+        try:
+            manager.save(model)
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=save) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    manager.wait()
+    assert not errors and sorted(os.listdir(tmp_path)) == [".owner", "step-4"]

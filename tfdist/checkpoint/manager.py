@@ -58,6 +58,7 @@ class CheckpointManager:
         self._saves = 0
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self._saving = threading.Lock()  # one save at a time, also when several threads call save
         kvstore.before_leaving(lambda seconds: self._join(seconds))  # a job that leaves together still commits
 
     @property
@@ -73,6 +74,10 @@ class CheckpointManager:
         (``wait`` waits for the commit); an error of that write is raised by the next ``save`` or ``wait``.
         ``metadata`` (JSON) is kept in the manifest (``metadata()``).
         """
+        with self._saving:
+            return self._save(model, metadata)
+
+    def _save(self, model, metadata: dict[str, Any] | None) -> str:
         self.wait()
         strategy = model.distribute_strategy
         rank, workers = process_group.worker_rank(strategy), process_group.num_workers(strategy)
@@ -109,9 +114,15 @@ class CheckpointManager:
         """
         self.wait()
         path = self.latest
-        if path is None:
-            return None
-        return restore_into(model, path)
+        while path is not None:
+            try:
+                return restore_into(model, path)
+            except FileNotFoundError:  # another job's manager removed it (max_to_keep) after committing a newer one
+                newer = self.latest
+                if newer == path:
+                    raise
+                path = newer
+        return None
 
     def metadata(self, path: str | None = None) -> dict[str, Any]:
         """The ``metadata`` saved with the checkpoint at ``path`` (default: the newest; {} without one)."""
@@ -202,12 +213,22 @@ class _SaveJob:
             raise CheckpointError(
                 f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or two "
                 "managers save into one directory. Give each its own directory.")
+        self._check_newest()
         path = store.commit(self.partial, self.manager.directory, self.step, self.manifest)
         if self.workers > 1:
             kvstore.put(f"{self.key}/committed", path)
         if self.manager.max_to_keep is not None:
             store.keep_newest(self.manager.directory, self.manager.max_to_keep)
         store.remove_partials(self.manager.directory, self.token, self.save_id)
+
+    def _check_newest(self) -> None:
+        """Raises when a newer step is committed: this one would not be the latest (and max_to_keep would remove it)."""
+        found = store.committed(self.manager.directory)
+        if found and found[-1][0] > self.step:
+            raise CheckpointError(
+                f"The checkpoint of step {self.step} is older than the newest checkpoint in {self.manager.directory} "
+                f"(step-{found[-1][0]}): restore would read that one. Call manager.restore(model) before training, "
+                "or save into another directory.")
 
 
 class _Entry:

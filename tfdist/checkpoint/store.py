@@ -118,8 +118,12 @@ def remove_partials(directory: str, token: str, before: int) -> None:
 
 
 def claim(directory: str, token: str) -> None:
-    """Records ``token`` as the manager that writes ``directory`` now."""
+    """Records ``token`` as the manager that writes ``directory`` now, and removes the partial checkpoints other
+    managers left (a killed run's: one still writing fails its commit, as ``token`` owns the directory)."""
     os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.startswith(".partial-") and not name.startswith(f".partial-{token}-"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     temp = os.path.join(directory, f"{OWNER}.tmp{os.getpid()}")
     with open(temp, "w") as file:
         file.write(token)
