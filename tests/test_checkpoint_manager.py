@@ -318,3 +318,30 @@ def test_saves_called_from_several_threads_at_once_each_commit(tmp_path):
         thread.join(120)
     manager.wait()
     assert not errors and sorted(os.listdir(tmp_path)) == [".owner", "step-4"]
+
+
+def test_a_manager_whose_folder_a_second_manager_removed_mid_write_names_the_second(tmp_path, monkeypatch):
+    """Manager B's first save claims the directory and removes the partial folders of others, A's among them while A
+    writes: A's save fails with the two-managers error, not a FileNotFoundError of its part."""
+    model = _model(_strategy(1), False)
+    first, second = tfdist.CheckpointManager(str(tmp_path)), tfdist.CheckpointManager(str(tmp_path), async_save=False)
+    first.save(model)
+    first.wait()
+    writing, go, savez = threading.Event(), threading.Event(), np.savez
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == "tfdist-checkpoint-write":
+            writing.set()
+            assert go.wait(120)
+        savez(*args, **kwargs)
+
+    monkeypatch.setattr(np, "savez", held)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    first.save(model)
+    assert writing.wait(120)
+    second.save(model)
+    go.set()
+    with pytest.raises(CheckpointError, match=r"Another CheckpointManager \(\w+\) writes .* now: two jobs or two "
+                                              r"managers save into one directory\. Give each its own directory\."):
+        first.wait()
+    assert [s for s, _ in store.committed(str(tmp_path))] == [0, 4]

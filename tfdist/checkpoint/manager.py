@@ -179,6 +179,7 @@ class _SaveJob:
             else:
                 self._report_and_wait()
         except BaseException as error:  # noqa: BLE001 - raised again by the next save or wait
+            error = self._another_owner() or error  # its claim removed this save's folder
             if self.workers > 1:
                 kvstore.put(f"{self.key}/{self.rank}", f"failed: {type(error).__name__}: {error}")
                 if self.rank == 0:
@@ -208,11 +209,9 @@ class _SaveJob:
             raise CheckpointError(
                 f"Workers {missing} wrote their parts of step {self.step}, but worker 0 does not see them in "
                 f"{self.partial}: the checkpoint directory must be one filesystem every worker shares.")
-        holder = store.owner(self.manager.directory)
-        if holder != self.token:
-            raise CheckpointError(
-                f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or two "
-                "managers save into one directory. Give each its own directory.")
+        taken = self._another_owner()
+        if taken:
+            raise taken
         self._check_newest()
         path = store.commit(self.partial, self.manager.directory, self.step, self.manifest)
         if self.workers > 1:
@@ -220,6 +219,14 @@ class _SaveJob:
         if self.manager.max_to_keep is not None:
             store.keep_newest(self.manager.directory, self.manager.max_to_keep)
         store.remove_partials(self.manager.directory, self.token, self.save_id)
+
+    def _another_owner(self) -> CheckpointError | None:
+        """The error to raise when another manager has claimed the directory since this one did, or None."""
+        holder = store.owner(self.manager.directory)
+        if holder == self.token:
+            return None
+        return CheckpointError(f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or "
+                               "two managers save into one directory. Give each its own directory.")
 
     def _check_newest(self) -> None:
         """Raises when a newer step is committed: this one would not be the latest (and max_to_keep would remove it)."""
