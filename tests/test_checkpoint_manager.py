@@ -345,3 +345,35 @@ def test_a_manager_whose_folder_a_second_manager_removed_mid_write_names_the_sec
                                               r"managers save into one directory\. Give each its own directory\."):
         first.wait()
     assert [s for s, _ in store.committed(str(tmp_path))] == [0, 4]
+
+
+def test_a_crash_while_the_same_step_is_committed_again_keeps_that_step(tmp_path, monkeypatch):
+    """The second save of step 4 moves the first aside, then renames itself into place: a crash between the two
+    renames left no step-4 (nothing at all with max_to_keep=1), and the next run's claim removed the one aside."""
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    want = _state(model)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    manager.save(model)
+    replace = os.replace
+
+    def crash_before_the_new_one_is_in_place(source, target):
+        if os.path.basename(source).startswith(".partial-") and os.path.basename(target) == "step-4":
+            raise OSError("the machine went down here")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_before_the_new_one_is_in_place)
+    with pytest.raises(CheckpointError, match="the machine went down here"):
+        manager.save(model)
+    monkeypatch.undo()
+    rerun = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    restored = _model(_strategy(1), False)
+    assert rerun.restore(restored) == 4
+    _assert_state_equal(_state(restored), want)
+    rerun.save(restored)
+    assert rerun.latest == str(tmp_path / "step-4") and sorted(os.listdir(tmp_path)) == [".owner", "step-4"]
+    shutil.copytree(tmp_path / "step-4", tmp_path / "step-4.aside")  # a crash after the new one was in place
+    assert rerun.latest == str(tmp_path / "step-4")
+    restored.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    rerun.save(restored)
+    assert sorted(os.listdir(tmp_path)) == [".owner", "step-8"]  # max_to_keep removed step 4 and its aside
