@@ -78,7 +78,11 @@ def test_the_checkpoint_of_two_workers_restores_on_three_and_resumes_exactly(sav
         assert result["state"] == resumed.results[0]["state"]
 
 
-def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_before(tmp_path):
+@pytest.mark.parametrize("killed", [(0, 1), (1,)], ids=["every_worker", "worker_1"])
+def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_before(tmp_path, killed):
+    """SIGKILL to every worker, or to worker 1 alone (worker 0 waits for its part: the launcher stops it at once), in
+    the middle of the second save's write. The rerun resumes from the first save exactly, and its save removes the
+    partial folder the killed job left."""
     directory, out = tmp_path / "checkpoints", tmp_path / "killed"
     out.mkdir()
     command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--timeout", "300", "--grace-period", "2", "--",
@@ -92,15 +96,18 @@ def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_be
             assert launcher.poll() is None, launcher.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "the second save never started writing"
             time.sleep(0.2)
-        for marker in markers:  # every worker, in the middle of its write
-            os.kill(int(marker.read_text()), signal.SIGKILL)
+        for rank in killed:  # in the middle of its write
+            os.kill(int(markers[rank].read_text()), signal.SIGKILL)
         launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert [step for step, _ in store.committed(str(directory))] == [STEPS_PER_EPOCH]  # the second never committed
-    resumed = run_job("checkpoint_job.py", tmp_path / "resumed", str(directory), "resume", "1", timeout=300).check()
+    assert [name for name in os.listdir(directory) if name.startswith(".partial-")]
+    resumed = run_job("checkpoint_job.py", tmp_path / "resumed", str(directory), "resume_save", "1",
+                      timeout=300).check()
     for result in resumed.results.values():
         assert result["restored_step"] == STEPS_PER_EPOCH
         assert_close(result["state"], one_device(2))
+    assert sorted(os.listdir(directory)) == [".owner", f"step-{STEPS_PER_EPOCH}", f"step-{2 * STEPS_PER_EPOCH}"]

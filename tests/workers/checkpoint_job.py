@@ -2,6 +2,7 @@
 
     checkpoint_job.py OUT DIR save EPOCHS [async|sync]   fit EPOCHS epochs, then save into DIR
     checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
+    checkpoint_job.py OUT DIR resume_save EPOCHS         the same, then save
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
                                                          write held until the test kills the job (OUT/writing<rank>: its pid)
 
@@ -24,7 +25,7 @@ model = common.checkpoint_model(strategy, sharded=True)
 x, y = common.checkpoint_data()
 manager = tfdist.CheckpointManager(directory, async_save=sys.argv[5:] != ["sync"])
 payload = {"workers": tfdist.num_workers()}
-if mode == "resume":
+if mode in ("resume", "resume_save"):
     payload["restored_step"] = manager.restore(model)
     payload["restored"] = common.checkpoint_state(model)
 model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
@@ -35,12 +36,13 @@ if mode == "killed":
     write_part = store.write_part
 
     def held(checkpoint, worker, arrays):  # the worst moment: the job is killed while every part is written
+        os.makedirs(checkpoint, exist_ok=True)  # the partial folder is there, the part not yet
         pathlib.Path(out_dir, f"writing{worker}").write_text(str(os.getpid()))
         time.sleep(600)
         write_part(checkpoint, worker, arrays)
 
     store.write_part = held
-if mode in ("save", "killed"):
+if mode in ("save", "killed", "resume_save"):
     manager.save(model)
     manager.wait()
 payload["state"] = common.checkpoint_state(model)
