@@ -15,6 +15,7 @@ the workers agree through the job's key-value store (``tfdist.kvstore``).
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -186,7 +187,16 @@ class _SaveJob:
                     kvstore.put(f"{self.key}/committed", f"failed: {error}")
             self.manager._failure = error if isinstance(error, CheckpointError) else CheckpointError(
                 f"Saving the checkpoint of step {self.step} into {self.manager.directory} failed on worker "
-                f"{self.rank}: {type(error).__name__}: {error}")
+                f"{self.rank}: {type(error).__name__}: {error}{self._hint(error)}")
+
+    def _hint(self, error: BaseException) -> str:
+        """What to do about a full disk ('' for other errors)."""
+        if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+            return ""
+        kept = self.manager.max_to_keep
+        return (f": the filesystem of {self.manager.directory} is full. A save needs room for one more checkpoint "
+                f"beside the max_to_keep={kept} kept (they are removed only once it commits); free space there, "
+                "lower max_to_keep, or use a larger filesystem.")
 
     def _report_and_wait(self) -> None:
         kvstore.put(f"{self.key}/{self.rank}", "written")
