@@ -379,3 +379,23 @@ def test_a_crash_while_the_same_step_is_committed_again_keeps_that_step(tmp_path
     restored.fit(X, Y, batch_size=12, epochs=1, verbose=0)
     rerun.save(restored)
     assert sorted(os.listdir(tmp_path)) == [".owner", "step-8"]  # max_to_keep removed step 4 and its aside
+
+
+def test_a_failed_save_nobody_waited_for_is_reported_at_exit(tmp_path):
+    """The last async save of a script fails after save returned, and the script ends without wait: the error was
+    lost (nothing printed) while the user believed the checkpoint written."""
+    script = f"""
+import keras, tfdist
+from tfdist.checkpoint import store
+
+def full(*args):
+    raise OSError(28, "No space left on device")
+
+store.write_part = full
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+tfdist.CheckpointManager({str(tmp_path)!r}).save(model)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=300)
+    assert (f"tfdist: CheckpointManager({str(tmp_path)!r}): its last save failed and nothing waited for it: Saving "
+            f"the checkpoint of step 0 into {tmp_path} failed on worker 0: OSError: [Errno 28] No space left on "
+            "device") in done.stderr

@@ -15,8 +15,10 @@ the workers agree through the job's key-value store (``tfdist.kvstore``).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
+import sys
 import threading
 import time
 import uuid
@@ -60,7 +62,8 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._saving = threading.Lock()  # one save at a time, also when several threads call save
-        kvstore.before_leaving(lambda seconds: self._join(seconds))  # a job that leaves together still commits
+        kvstore.before_leaving(self._leave)  # a job that leaves together still commits
+        atexit.register(self._report_unwaited)  # runs once Python joined the write
 
     @property
     def latest(self) -> str | None:
@@ -155,6 +158,17 @@ class CheckpointManager:
             writer.join(seconds)
             if not writer.is_alive():
                 self._writer = None
+
+    def _leave(self, seconds: float) -> None:
+        self._join(seconds)
+        self._report_unwaited()
+
+    def _report_unwaited(self) -> None:
+        """Prints the error of a save nothing waited for (at exit, where it cannot be raised)."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            print(f"tfdist: CheckpointManager({self.directory!r}): its last save failed and nothing waited for it: "
+                  f"{failure}", file=sys.stderr)
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
