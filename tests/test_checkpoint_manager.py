@@ -399,3 +399,14 @@ tfdist.CheckpointManager({str(tmp_path)!r}).save(model)
     assert (f"tfdist: CheckpointManager({str(tmp_path)!r}): its last save failed and nothing waited for it: Saving "
             f"the checkpoint of step 0 into {tmp_path} failed on worker 0: OSError: [Errno 28] No space left on "
             "device") in done.stderr
+
+
+def test_a_manager_saves_again_after_its_directory_was_removed(tmp_path):
+    """BackupAndRestore removes its backup_dir at the end of fit; its manager (sharded state) saved into it again
+    in the next fit and failed: 'Another CheckpointManager (None) writes ...' (the claim went with the directory)."""
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path / "backup"), async_save=False)
+    manager.save(model)
+    shutil.rmtree(tmp_path / "backup")
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    assert manager.save(model) == manager.latest == str(tmp_path / "backup" / "step-4")

@@ -111,3 +111,11 @@ def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_be
         assert result["restored_step"] == STEPS_PER_EPOCH
         assert_close(result["state"], one_device(2))
     assert sorted(os.listdir(directory)) == [".owner", f"step-{STEPS_PER_EPOCH}", f"step-{2 * STEPS_PER_EPOCH}"]
+
+
+def test_a_second_fit_with_the_same_backup_and_restore_of_sharded_state_backs_up_again(tmp_path):
+    """The first fit's end removes backup_dir, its manager's claim with it: the second fit's backup failed with
+    'Another CheckpointManager (None) writes .../backup/sharded now'."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path), "backup_twice", "1", timeout=300).check()
+    for result in job.results.values():
+        assert_close(result["state"], one_device(2))

@@ -3,6 +3,7 @@
     checkpoint_job.py OUT DIR save EPOCHS [async|sync]   fit EPOCHS epochs, then save into DIR
     checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
     checkpoint_job.py OUT DIR resume_save EPOCHS         the same, then save
+    checkpoint_job.py OUT DIR backup_twice EPOCHS        fit twice with one BackupAndRestore (DIR/backup); no manager
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
                                                          write held until the test kills the job (OUT/writing<rank>: its pid)
 
@@ -28,7 +29,15 @@ payload = {"workers": tfdist.num_workers()}
 if mode in ("resume", "resume_save"):
     payload["restored_step"] = manager.restore(model)
     payload["restored"] = common.checkpoint_state(model)
-model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
+if mode == "backup_twice":  # the backup's sharded manager saves again after the first fit removed backup_dir
+    import keras
+
+    backup = keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
+    for _ in range(2):
+        model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[backup])
+else:
+    model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
 if mode == "killed":
     manager.save(model)
     manager.wait()

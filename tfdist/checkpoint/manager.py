@@ -233,6 +233,8 @@ class _SaveJob:
             raise CheckpointError(
                 f"Workers {missing} wrote their parts of step {self.step}, but worker 0 does not see them in "
                 f"{self.partial}: the checkpoint directory must be one filesystem every worker shares.")
+        if store.owner(self.manager.directory) is None:  # removed since the claim (BackupAndRestore's end of fit)
+            store.claim(self.manager.directory, self.token)
         taken = self._another_owner()
         if taken:
             raise taken
@@ -247,7 +249,7 @@ class _SaveJob:
     def _another_owner(self) -> CheckpointError | None:
         """The error to raise when another manager has claimed the directory since this one did, or None."""
         holder = store.owner(self.manager.directory)
-        if holder == self.token:
+        if holder in (None, self.token):
             return None
         return CheckpointError(f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or "
                                "two managers save into one directory. Give each its own directory.")
