@@ -119,3 +119,11 @@ def test_a_second_fit_with_the_same_backup_and_restore_of_sharded_state_backs_up
     job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path), "backup_twice", "1", timeout=300).check()
     for result in job.results.values():
         assert_close(result["state"], one_device(2))
+
+
+def test_the_workers_of_a_job_restore_the_same_checkpoint_while_another_job_commits(tmp_path):
+    """Another job commits step-99 after worker 0 chose step-4 and before worker 1 chose: each worker read the
+    newest it saw, so the replicas of one model held two checkpoints' states."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "racing", "1",
+                  timeout=300).check()
+    assert [(tmp_path / "out" / f"read{rank}").read_text() for rank in (0, 1)] == [f"step-{STEPS_PER_EPOCH}"] * 2

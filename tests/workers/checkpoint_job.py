@@ -4,6 +4,8 @@
     checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
     checkpoint_job.py OUT DIR resume_save EPOCHS         the same, then save
     checkpoint_job.py OUT DIR backup_twice EPOCHS        fit twice with one BackupAndRestore (DIR/backup); no manager
+    checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99 between
+                                                         worker 0's restore and worker 1's (OUT/read<rank>: the path read)
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
                                                          write held until the test kills the job (OUT/writing<rank>: its pid)
 
@@ -12,6 +14,7 @@ Writes worker<rank>.json: the state after restoring (resume) and at the end (wei
 
 import os
 import pathlib
+import shutil
 import sys
 import time
 
@@ -51,8 +54,27 @@ if mode == "killed":
         write_part(checkpoint, worker, arrays)
 
     store.write_part = held
-if mode in ("save", "killed", "resume_save"):
+if mode in ("save", "killed", "resume_save", "racing"):
     manager.save(model)
     manager.wait()
+if mode == "racing":
+    from tfdist.checkpoint import manager as manager_module
+
+    restore_into, committed = manager_module.restore_into, pathlib.Path(out_dir, "committed")
+
+    def another_job_commits_meanwhile(model, path):  # worker 0 has chosen path: a newer one commits now
+        if tfdist.rank() == 0:
+            shutil.copytree(path, os.path.join(directory, ".copy"))
+            os.replace(os.path.join(directory, ".copy"), os.path.join(directory, "step-99"))
+            committed.write_text("1")
+        pathlib.Path(out_dir, f"read{tfdist.rank()}").write_text(os.path.basename(path))
+        return restore_into(model, path)
+
+    manager_module.restore_into = another_job_commits_meanwhile
+    if tfdist.rank() == 1:
+        deadline = time.monotonic() + 60
+        while not committed.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    payload["restored_step"] = tfdist.CheckpointManager(directory).restore(model)
 payload["state"] = common.checkpoint_state(model)
 common.write_result(out_dir, payload)

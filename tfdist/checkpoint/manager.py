@@ -35,6 +35,7 @@ from tfdist.keras_fixes.sharded_state import is_shard_slot, local_shards, slot_r
 FORMAT = 1
 _ATTEMPT = "TFDIST_RESTART"
 _managers = [0]  # managers of this process that began saving: the n-th is one manager on every worker
+_restores = [0]  # restores of this process under several workers: the n-th is one restore on every worker
 
 
 class CheckpointManager:
@@ -117,13 +118,15 @@ class CheckpointManager:
             CheckpointError: the checkpoint is not this model's (another number or shape of variables).
         """
         self.wait()
-        path = self.latest
+        strategy = model.distribute_strategy
+        workers = process_group.num_workers(strategy)
+        path = self._agree_on_latest(process_group.worker_rank(strategy), workers)
         while path is not None:
             try:
                 return restore_into(model, path)
             except FileNotFoundError:  # another job's manager removed it (max_to_keep) after committing a newer one
                 newer = self.latest
-                if newer == path:
+                if newer == path or workers > 1:  # several workers would each choose another one
                     raise
                 path = newer
         return None
@@ -151,6 +154,22 @@ class CheckpointManager:
                 store.claim(self.directory, token)
             self._token = token
         return self._token
+
+    def _agree_on_latest(self, rank: int, workers: int) -> str | None:
+        """The newest checkpoint as worker 0 sees it (another job may commit one while the workers look)."""
+        if workers == 1:
+            return self.latest
+        _restores[0] += 1
+        key = f"tfdist/checkpoint/restore/{os.environ.get(_ATTEMPT, '0')}/{_restores[0]}"
+        if rank == 0:
+            path = self.latest
+            kvstore.put(key, path or "")
+            return path
+        said = kvstore.wait_for(key, time.monotonic() + _timeout())
+        if said is None:
+            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: worker 0 did not choose a checkpoint "
+                                  f"within {_timeout():g} s; every worker must call restore.")
+        return said or None
 
     def _join(self, seconds: float | None) -> None:
         writer = self._writer
