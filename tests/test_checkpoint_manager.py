@@ -216,7 +216,7 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
         too_large.save(large)
         with pytest.raises(CheckpointError, match=r"failed on worker 0: OSError: \[Errno 28\] No space left .*: "
                                                   r"the filesystem of .* is full\. A save needs room for one more "
-                                                  r"checkpoint beside the max_to_keep=3 kept"):
+                                                  r"checkpoint beside those kept \(max_to_keep=3;"):
             too_large.wait()
         assert manager.latest == kept
     finally:

@@ -4,10 +4,10 @@
     checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
     checkpoint_job.py OUT DIR resume_save EPOCHS         the same, then save
     checkpoint_job.py OUT DIR backup_twice EPOCHS        fit twice with one BackupAndRestore (DIR/backup); no manager
-    checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99 between
-                                                         worker 0's restore and worker 1's (OUT/read<rank>: the path read)
+    checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99
+                                                         between worker 0's look and worker 1's (OUT/read<rank>)
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
-                                                         write held until the test kills the job (OUT/writing<rank>: its pid)
+                                                         write held until the test kills it (OUT/writing<rank>: pid)
 
 Writes worker<rank>.json: the state after restoring (resume) and at the end (weights and whole optimizer state).
 """

@@ -5,9 +5,9 @@ of the unsharded optimizer state, ``layout.owners``) and its replicas' shards of
 slots. Nothing is gathered into one process. ``save`` snapshots those variables (copy on write: no copy
 until training next updates them) and returns; a background thread writes the part and flushes it to
 disk, and the chief commits the checkpoint once every worker's part is written (``store``). A save that
-starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads the newest committed checkpoint into a
-model on any number of workers and replicas, sharded or not: each replica reads the elements of its
-shard from the saved shards that hold them.
+starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads
+the newest committed checkpoint (as worker 0 sees it) into a model on any number of workers and replicas,
+sharded or not: each replica reads the elements of its shard from the saved shards that hold them.
 
 Under several workers the directory must be one every worker sees (a shared or network filesystem);
 the workers agree through the job's key-value store (``tfdist.kvstore``).
@@ -167,8 +167,8 @@ class CheckpointManager:
             return path
         said = kvstore.wait_for(key, time.monotonic() + _timeout())
         if said is None:
-            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: worker 0 did not choose a checkpoint "
-                                  f"within {_timeout():g} s; every worker must call restore.")
+            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: worker 0 did not choose a "
+                                  f"checkpoint within {_timeout():g} s; every worker must call restore.")
         return said or None
 
     def _join(self, seconds: float | None) -> None:
@@ -226,10 +226,9 @@ class _SaveJob:
         """What to do about a full disk ('' for other errors)."""
         if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
             return ""
-        kept = self.manager.max_to_keep
         return (f": the filesystem of {self.manager.directory} is full. A save needs room for one more checkpoint "
-                f"beside the max_to_keep={kept} kept (they are removed only once it commits); free space there, "
-                "lower max_to_keep, or use a larger filesystem.")
+                f"beside those kept (max_to_keep={self.manager.max_to_keep}; they are removed only once it commits): "
+                "free space there, lower max_to_keep, or use a larger filesystem.")
 
     def _report_and_wait(self) -> None:
         kvstore.put(f"{self.key}/{self.rank}", "written")

@@ -4,7 +4,7 @@
       step-120/              a committed checkpoint (the chief renamed it into place last)
         manifest.json        what each variable is and which part holds it
         part-0.npz ...       one file per worker: the variables it owns, its replicas' shards
-      step-120.aside/        the older save of step 120 while a new one of that step commits (read if step-120 is not there)
+      step-120.aside/        step 120's older save while a new one of that step commits (read while step-120 is not)
       .partial-<id>/         a checkpoint being written (or one whose writer died): never read
       .owner                 the manager that writes here now
 
