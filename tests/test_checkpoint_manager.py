@@ -252,7 +252,7 @@ def test_export_names_what_is_missing(tmp_path):
 
 def test_a_rerun_removes_the_partial_checkpoints_a_killed_run_left(tmp_path):
     """A job killed while it wrote leaves its .partial-<token>-N folder; the next run's manager (another token)
-    removes it when it first saves, so the staged copies of dead runs do not fill the disk."""
+    removes it at its first commit, so the staged copies of dead runs do not fill the disk."""
     stale = tmp_path / ".partial-deadbeef0000-3"
     stale.mkdir()
     (stale / "part-0.npz").write_bytes(b"x" * 1000)

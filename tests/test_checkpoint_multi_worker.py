@@ -127,3 +127,14 @@ def test_the_workers_of_a_job_restore_the_same_checkpoint_while_another_job_comm
     job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "racing", "1",
                   timeout=300).check()
     assert [(tmp_path / "out" / f"read{rank}").read_text() for rank in (0, 1)] == [f"step-{STEPS_PER_EPOCH}"] * 2
+
+
+def test_a_first_save_whose_claim_fails_fails_on_every_worker_at_once_and_the_next_one_commits(tmp_path):
+    """Worker 0's claim of the directory failed in save itself: it raised there, while worker 1 waited for the
+    verdict of that save (the hang timeout) and the next save's workers agreed on two names (each waited again)."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "claim_fails", "1",
+                  timeout=240, env={"TFDIST_HANG_TIMEOUT": "60"}).check()
+    for result in job.results.values():
+        assert "[Errno 13] Permission denied" in result["first"]
+        assert result["first_seconds"] < 30
+    assert [step for step, _ in store.committed(str(tmp_path / "checkpoints"))] == [STEPS_PER_EPOCH]

@@ -6,6 +6,7 @@
     checkpoint_job.py OUT DIR backup_twice EPOCHS        fit twice with one BackupAndRestore (DIR/backup); no manager
     checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99
                                                          between worker 0's look and worker 1's (OUT/read<rank>)
+    checkpoint_job.py OUT DIR claim_fails EPOCHS         fit; save with worker 0's claim of DIR failing, then again
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
                                                          write held until the test kills it (OUT/writing<rank>: pid)
 
@@ -54,7 +55,21 @@ if mode == "killed":
         write_part(checkpoint, worker, arrays)
 
     store.write_part = held
-if mode in ("save", "killed", "resume_save", "racing"):
+if mode == "claim_fails":
+    claim, began = store.claim, time.monotonic()
+
+    def refused(directory, token):
+        store.claim = claim
+        raise PermissionError(13, "Permission denied", os.path.join(directory, ".owner"))
+
+    store.claim = refused
+    try:
+        manager.save(model)
+        manager.wait()
+    except tfdist.CheckpointError as error:
+        payload["first"] = str(error)
+    payload["first_seconds"] = time.monotonic() - began
+if mode in ("save", "killed", "resume_save", "racing", "claim_fails"):
     manager.save(model)
     manager.wait()
 if mode == "racing":

@@ -63,6 +63,7 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._saving = threading.Lock()  # one save at a time, also when several threads call save
+        self._claimed = False  # whether a commit of this manager claimed the directory (store.claim)
         kvstore.before_leaving(self._leave)  # a job that leaves together still commits
         atexit.register(self._report_unwaited)  # runs once Python joined the write
 
@@ -150,8 +151,6 @@ class CheckpointManager:
                     if token is None:
                         raise CheckpointError(f"CheckpointManager({self.directory!r}): worker 0 did not start this "
                                               f"save within {_timeout():g} s; every worker must call save.")
-            if rank == 0:
-                store.claim(self.directory, token)
             self._token = token
         return self._token
 
@@ -251,8 +250,9 @@ class _SaveJob:
             raise CheckpointError(
                 f"Workers {missing} wrote their parts of step {self.step}, but worker 0 does not see them in "
                 f"{self.partial}: the checkpoint directory must be one filesystem every worker shares.")
-        if store.owner(self.manager.directory) is None:  # removed since the claim (BackupAndRestore's end of fit)
-            store.claim(self.manager.directory, self.token)
+        if not self.manager._claimed or store.owner(self.manager.directory) is None:  # or it was removed since
+            store.claim(self.manager.directory, self.token)  # (BackupAndRestore's end of fit removes backup_dir)
+            self.manager._claimed = True
         taken = self._another_owner()
         if taken:
             raise taken
@@ -266,7 +266,7 @@ class _SaveJob:
 
     def _another_owner(self) -> CheckpointError | None:
         """The error to raise when another manager has claimed the directory since this one did, or None."""
-        holder = store.owner(self.manager.directory)
+        holder = store.owner(self.manager.directory) if self.manager._claimed else None
         if holder in (None, self.token):
             return None
         return CheckpointError(f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or "
