@@ -214,7 +214,9 @@ def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
             large = keras.Sequential([keras.Input((5,)), keras.layers.Dense(300_000)])
         too_large = tfdist.CheckpointManager(str(disk))
         too_large.save(large)
-        with pytest.raises(CheckpointError, match=r"failed on worker 0: OSError: \[Errno 28\] No space left"):
+        with pytest.raises(CheckpointError, match=r"failed on worker 0: OSError: \[Errno 28\] No space left .*: "
+                                                  r"the filesystem of .* is full\. A save needs room for one more "
+                                                  r"checkpoint beside those kept \(max_to_keep=3;"):
             too_large.wait()
         assert manager.latest == kept
     finally:
@@ -246,3 +248,165 @@ def test_export_names_what_is_missing(tmp_path):
                           env=job_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert f"no committed checkpoint in {str(tmp_path)!r}" in done.stderr
+
+
+def test_a_rerun_removes_the_partial_checkpoints_a_killed_run_left(tmp_path):
+    """A job killed while it wrote leaves its .partial-<token>-N folder; the next run's manager (another token)
+    removes it at its first commit, so the staged copies of dead runs do not fill the disk."""
+    stale = tmp_path / ".partial-deadbeef0000-3"
+    stale.mkdir()
+    (stale / "part-0.npz").write_bytes(b"x" * 1000)
+    (tmp_path / ".partial-deadbeef0000-2.replaced").mkdir()  # a commit of the same step killed half way
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path))
+    manager.save(model)
+    manager.wait()
+    assert sorted(os.listdir(tmp_path)) == [".owner", "step-0"]
+
+
+def test_a_save_older_than_the_newest_checkpoint_is_a_named_error_and_removes_nothing(tmp_path):
+    """A run that did not restore saves step 4 where step 8 is: it would not be the latest (restore reads step 8)
+    and max_to_keep=1 removed it at once, while save returned its path."""
+    ahead = _model(_strategy(1), False)
+    ahead.fit(X, Y, batch_size=12, epochs=2, verbose=0)
+    kept = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1).save(ahead)
+    behind = _model(_strategy(1), False)
+    behind.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1)
+    manager.save(behind)
+    with pytest.raises(CheckpointError, match=r"step 4 is older than the newest checkpoint in .* \(step-8\): .*"
+                                              r"manager\.restore\(model\) before training, or save into another "
+                                              r"directory"):
+        manager.wait()
+    assert manager.latest == kept and [s for s, _ in store.committed(str(tmp_path))] == [8]
+
+
+def test_a_restore_whose_checkpoint_another_manager_removes_meanwhile_reads_the_newer_one(tmp_path, monkeypatch):
+    """Another process's manager commits step 8 and removes step 4 (max_to_keep=1) between this restore's choice of
+    step 4 and its read: the restore reads step 8 instead of failing with FileNotFoundError."""
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    writer = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    writer.save(model)
+    read_manifest = store.read_manifest
+
+    def save_first(path):
+        monkeypatch.setattr(store, "read_manifest", read_manifest)
+        model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+        writer.save(model)
+        return read_manifest(path)
+
+    monkeypatch.setattr(store, "read_manifest", save_first)
+    restored = _model(_strategy(1), False)
+    assert tfdist.CheckpointManager(str(tmp_path)).restore(restored) == 8
+    _assert_state_equal(_state(restored), _state(model))
+
+
+def test_saves_called_from_several_threads_at_once_each_commit(tmp_path):
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager, errors = tfdist.CheckpointManager(str(tmp_path)), []
+
+    def save():
+        try:
+            manager.save(model)
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=save) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    manager.wait()
+    assert not errors and sorted(os.listdir(tmp_path)) == [".owner", "step-4"]
+
+
+def test_a_manager_whose_folder_a_second_manager_removed_mid_write_names_the_second(tmp_path, monkeypatch):
+    """Manager B's first save claims the directory and removes the partial folders of others, A's among them while A
+    writes: A's save fails with the two-managers error, not a FileNotFoundError of its part."""
+    model = _model(_strategy(1), False)
+    first, second = tfdist.CheckpointManager(str(tmp_path)), tfdist.CheckpointManager(str(tmp_path), async_save=False)
+    first.save(model)
+    first.wait()
+    writing, go, savez = threading.Event(), threading.Event(), np.savez
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == "tfdist-checkpoint-write":
+            writing.set()
+            assert go.wait(120)
+        savez(*args, **kwargs)
+
+    monkeypatch.setattr(np, "savez", held)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    first.save(model)
+    assert writing.wait(120)
+    second.save(model)
+    go.set()
+    with pytest.raises(CheckpointError, match=r"Another CheckpointManager \(\w+\) writes .* now: two jobs or two "
+                                              r"managers save into one directory\. Give each its own directory\."):
+        first.wait()
+    assert [s for s, _ in store.committed(str(tmp_path))] == [0, 4]
+
+
+def test_a_crash_while_the_same_step_is_committed_again_keeps_that_step(tmp_path, monkeypatch):
+    """The second save of step 4 moves the first aside, then renames itself into place: a crash between the two
+    renames left no step-4 (nothing at all with max_to_keep=1), and the next run's claim removed the one aside."""
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    want = _state(model)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    manager.save(model)
+    replace = os.replace
+
+    def crash_before_the_new_one_is_in_place(source, target):
+        if os.path.basename(source).startswith(".partial-") and os.path.basename(target) == "step-4":
+            raise OSError("the machine went down here")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", crash_before_the_new_one_is_in_place)
+    with pytest.raises(CheckpointError, match="the machine went down here"):
+        manager.save(model)
+    monkeypatch.undo()
+    rerun = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    restored = _model(_strategy(1), False)
+    assert rerun.restore(restored) == 4
+    _assert_state_equal(_state(restored), want)
+    rerun.save(restored)
+    assert rerun.latest == str(tmp_path / "step-4") and sorted(os.listdir(tmp_path)) == [".owner", "step-4"]
+    shutil.copytree(tmp_path / "step-4", tmp_path / "step-4.aside")  # a crash after the new one was in place
+    assert rerun.latest == str(tmp_path / "step-4")
+    restored.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    rerun.save(restored)
+    assert sorted(os.listdir(tmp_path)) == [".owner", "step-8"]  # max_to_keep removed step 4 and its aside
+
+
+def test_a_failed_save_nobody_waited_for_is_reported_at_exit(tmp_path):
+    """The last async save of a script fails after save returned, and the script ends without wait: the error was
+    lost (nothing printed) while the user believed the checkpoint written."""
+    script = f"""
+import keras, tfdist
+from tfdist.checkpoint import store
+
+def full(*args):
+    raise OSError(28, "No space left on device")
+
+store.write_part = full
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+tfdist.CheckpointManager({str(tmp_path)!r}).save(model)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=300)
+    assert (f"tfdist: CheckpointManager({str(tmp_path)!r}): its last save failed and nothing waited for it: Saving "
+            f"the checkpoint of step 0 into {tmp_path} failed on worker 0: OSError: [Errno 28] No space left on "
+            "device") in done.stderr
+
+
+def test_a_manager_saves_again_after_its_directory_was_removed(tmp_path):
+    """BackupAndRestore removes its backup_dir at the end of fit; its manager (sharded state) saved into it again
+    in the next fit and failed: 'Another CheckpointManager (None) writes ...' (the claim went with the directory)."""
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path / "backup"), async_save=False)
+    manager.save(model)
+    shutil.rmtree(tmp_path / "backup")
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    assert manager.save(model) == manager.latest == str(tmp_path / "backup" / "step-4")

@@ -78,7 +78,11 @@ def test_the_checkpoint_of_two_workers_restores_on_three_and_resumes_exactly(sav
         assert result["state"] == resumed.results[0]["state"]
 
 
-def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_before(tmp_path):
+@pytest.mark.parametrize("killed", [(0, 1), (1,)], ids=["every_worker", "worker_1"])
+def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_before(tmp_path, killed):
+    """SIGKILL to every worker, or to worker 1 alone (worker 0 waits for its part: the launcher stops it at once), in
+    the middle of the second save's write. The rerun resumes from the first save exactly, and its save removes the
+    partial folder the killed job left."""
     directory, out = tmp_path / "checkpoints", tmp_path / "killed"
     out.mkdir()
     command = [sys.executable, "-m", "tfdist.run", "-n", "2", "--timeout", "300", "--grace-period", "2", "--",
@@ -92,15 +96,45 @@ def test_a_job_killed_while_its_async_save_writes_resumes_from_the_checkpoint_be
             assert launcher.poll() is None, launcher.communicate()[0][-4000:]
             assert time.monotonic() < deadline, "the second save never started writing"
             time.sleep(0.2)
-        for marker in markers:  # every worker, in the middle of its write
-            os.kill(int(marker.read_text()), signal.SIGKILL)
+        for rank in killed:  # in the middle of its write
+            os.kill(int(markers[rank].read_text()), signal.SIGKILL)
         launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
     assert [step for step, _ in store.committed(str(directory))] == [STEPS_PER_EPOCH]  # the second never committed
-    resumed = run_job("checkpoint_job.py", tmp_path / "resumed", str(directory), "resume", "1", timeout=300).check()
+    assert [name for name in os.listdir(directory) if name.startswith(".partial-")]
+    resumed = run_job("checkpoint_job.py", tmp_path / "resumed", str(directory), "resume_save", "1",
+                      timeout=300).check()
     for result in resumed.results.values():
         assert result["restored_step"] == STEPS_PER_EPOCH
         assert_close(result["state"], one_device(2))
+    assert sorted(os.listdir(directory)) == [".owner", f"step-{STEPS_PER_EPOCH}", f"step-{2 * STEPS_PER_EPOCH}"]
+
+
+def test_a_second_fit_with_the_same_backup_and_restore_of_sharded_state_backs_up_again(tmp_path):
+    """The first fit's end removes backup_dir, its manager's claim with it: the second fit's backup failed with
+    'Another CheckpointManager (None) writes .../backup/sharded now'."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path), "backup_twice", "1", timeout=300).check()
+    for result in job.results.values():
+        assert_close(result["state"], one_device(2))
+
+
+def test_the_workers_of_a_job_restore_the_same_checkpoint_while_another_job_commits(tmp_path):
+    """Another job commits step-99 after worker 0 chose step-4 and before worker 1 chose: each worker read the
+    newest it saw, so the replicas of one model held two checkpoints' states."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "racing", "1",
+                  timeout=300).check()
+    assert [(tmp_path / "out" / f"read{rank}").read_text() for rank in (0, 1)] == [f"step-{STEPS_PER_EPOCH}"] * 2
+
+
+def test_a_first_save_whose_claim_fails_fails_on_every_worker_at_once_and_the_next_one_commits(tmp_path):
+    """Worker 0's claim of the directory failed in save itself: it raised there, while worker 1 waited for the
+    verdict of that save (the hang timeout) and the next save's workers agreed on two names (each waited again)."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "claim_fails", "1",
+                  timeout=240, env={"TFDIST_HANG_TIMEOUT": "60"}).check()
+    for result in job.results.values():
+        assert "[Errno 13] Permission denied" in result["first"]
+        assert result["first_seconds"] < 30
+    assert [step for step, _ in store.committed(str(tmp_path / "checkpoints"))] == [STEPS_PER_EPOCH]

@@ -2,14 +2,20 @@
 
     checkpoint_job.py OUT DIR save EPOCHS [async|sync]   fit EPOCHS epochs, then save into DIR
     checkpoint_job.py OUT DIR resume EPOCHS              restore DIR's newest checkpoint, fit EPOCHS more
+    checkpoint_job.py OUT DIR resume_save EPOCHS         the same, then save
+    checkpoint_job.py OUT DIR backup_twice EPOCHS        fit twice with one BackupAndRestore (DIR/backup); no manager
+    checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99
+                                                         between worker 0's look and worker 1's (OUT/read<rank>)
+    checkpoint_job.py OUT DIR claim_fails EPOCHS         fit; save with worker 0's claim of DIR failing, then again
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
-                                                         write held until the test kills the job (OUT/writing<rank>: its pid)
+                                                         write held until the test kills it (OUT/writing<rank>: pid)
 
 Writes worker<rank>.json: the state after restoring (resume) and at the end (weights and whole optimizer state).
 """
 
 import os
 import pathlib
+import shutil
 import sys
 import time
 
@@ -24,10 +30,18 @@ model = common.checkpoint_model(strategy, sharded=True)
 x, y = common.checkpoint_data()
 manager = tfdist.CheckpointManager(directory, async_save=sys.argv[5:] != ["sync"])
 payload = {"workers": tfdist.num_workers()}
-if mode == "resume":
+if mode in ("resume", "resume_save"):
     payload["restored_step"] = manager.restore(model)
     payload["restored"] = common.checkpoint_state(model)
-model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
+if mode == "backup_twice":  # the backup's sharded manager saves again after the first fit removed backup_dir
+    import keras
+
+    backup = keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
+    for _ in range(2):
+        model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[backup])
+else:
+    model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=epochs, shuffle=False, verbose=0)
 if mode == "killed":
     manager.save(model)
     manager.wait()
@@ -35,13 +49,47 @@ if mode == "killed":
     write_part = store.write_part
 
     def held(checkpoint, worker, arrays):  # the worst moment: the job is killed while every part is written
+        os.makedirs(checkpoint, exist_ok=True)  # the partial folder is there, the part not yet
         pathlib.Path(out_dir, f"writing{worker}").write_text(str(os.getpid()))
         time.sleep(600)
         write_part(checkpoint, worker, arrays)
 
     store.write_part = held
-if mode in ("save", "killed"):
+if mode == "claim_fails":
+    claim, began = store.claim, time.monotonic()
+
+    def refused(directory, token):
+        store.claim = claim
+        raise PermissionError(13, "Permission denied", os.path.join(directory, ".owner"))
+
+    store.claim = refused
+    try:
+        manager.save(model)
+        manager.wait()
+    except tfdist.CheckpointError as error:
+        payload["first"] = str(error)
+    payload["first_seconds"] = time.monotonic() - began
+if mode in ("save", "killed", "resume_save", "racing", "claim_fails"):
     manager.save(model)
     manager.wait()
+if mode == "racing":
+    from tfdist.checkpoint import manager as manager_module
+
+    restore_into, committed = manager_module.restore_into, pathlib.Path(out_dir, "committed")
+
+    def another_job_commits_meanwhile(model, path):  # worker 0 has chosen path: a newer one commits now
+        if tfdist.rank() == 0:
+            shutil.copytree(path, os.path.join(directory, ".copy"))
+            os.replace(os.path.join(directory, ".copy"), os.path.join(directory, "step-99"))
+            committed.write_text("1")
+        pathlib.Path(out_dir, f"read{tfdist.rank()}").write_text(os.path.basename(path))
+        return restore_into(model, path)
+
+    manager_module.restore_into = another_job_commits_meanwhile
+    if tfdist.rank() == 1:
+        deadline = time.monotonic() + 60
+        while not committed.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    payload["restored_step"] = tfdist.CheckpointManager(directory).restore(model)
 payload["state"] = common.checkpoint_state(model)
 common.write_result(out_dir, payload)

@@ -5,9 +5,9 @@ of the unsharded optimizer state, ``layout.owners``) and its replicas' shards of
 slots. Nothing is gathered into one process. ``save`` snapshots those variables (copy on write: no copy
 until training next updates them) and returns; a background thread writes the part and flushes it to
 disk, and the chief commits the checkpoint once every worker's part is written (``store``). A save that
-starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads the newest committed checkpoint into a
-model on any number of workers and replicas, sharded or not: each replica reads the elements of its
-shard from the saved shards that hold them.
+starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads
+the newest committed checkpoint (as worker 0 sees it) into a model on any number of workers and replicas,
+sharded or not: each replica reads the elements of its shard from the saved shards that hold them.
 
 Under several workers the directory must be one every worker sees (a shared or network filesystem);
 the workers agree through the job's key-value store (``tfdist.kvstore``).
@@ -15,7 +15,10 @@ the workers agree through the job's key-value store (``tfdist.kvstore``).
 
 from __future__ import annotations
 
+import atexit
+import errno
 import os
+import sys
 import threading
 import time
 import uuid
@@ -32,6 +35,7 @@ from tfdist.keras_fixes.sharded_state import is_shard_slot, local_shards, slot_r
 FORMAT = 1
 _ATTEMPT = "TFDIST_RESTART"
 _managers = [0]  # managers of this process that began saving: the n-th is one manager on every worker
+_restores = [0]  # restores of this process under several workers: the n-th is one restore on every worker
 
 
 class CheckpointManager:
@@ -58,7 +62,10 @@ class CheckpointManager:
         self._saves = 0
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
-        kvstore.before_leaving(lambda seconds: self._join(seconds))  # a job that leaves together still commits
+        self._saving = threading.Lock()  # one save at a time, also when several threads call save
+        self._claimed = False  # whether a commit of this manager claimed the directory (store.claim)
+        kvstore.before_leaving(self._leave)  # a job that leaves together still commits
+        atexit.register(self._report_unwaited)  # runs once Python joined the write
 
     @property
     def latest(self) -> str | None:
@@ -73,6 +80,10 @@ class CheckpointManager:
         (``wait`` waits for the commit); an error of that write is raised by the next ``save`` or ``wait``.
         ``metadata`` (JSON) is kept in the manifest (``metadata()``).
         """
+        with self._saving:
+            return self._save(model, metadata)
+
+    def _save(self, model, metadata: dict[str, Any] | None) -> str:
         self.wait()
         strategy = model.distribute_strategy
         rank, workers = process_group.worker_rank(strategy), process_group.num_workers(strategy)
@@ -108,10 +119,18 @@ class CheckpointManager:
             CheckpointError: the checkpoint is not this model's (another number or shape of variables).
         """
         self.wait()
-        path = self.latest
-        if path is None:
-            return None
-        return restore_into(model, path)
+        strategy = model.distribute_strategy
+        workers = process_group.num_workers(strategy)
+        path = self._agree_on_latest(process_group.worker_rank(strategy), workers)
+        while path is not None:
+            try:
+                return restore_into(model, path)
+            except FileNotFoundError:  # another job's manager removed it (max_to_keep) after committing a newer one
+                newer = self.latest
+                if newer == path or workers > 1:  # several workers would each choose another one
+                    raise
+                path = newer
+        return None
 
     def metadata(self, path: str | None = None) -> dict[str, Any]:
         """The ``metadata`` saved with the checkpoint at ``path`` (default: the newest; {} without one)."""
@@ -132,10 +151,24 @@ class CheckpointManager:
                     if token is None:
                         raise CheckpointError(f"CheckpointManager({self.directory!r}): worker 0 did not start this "
                                               f"save within {_timeout():g} s; every worker must call save.")
-            if rank == 0:
-                store.claim(self.directory, token)
             self._token = token
         return self._token
+
+    def _agree_on_latest(self, rank: int, workers: int) -> str | None:
+        """The newest checkpoint as worker 0 sees it (another job may commit one while the workers look)."""
+        if workers == 1:
+            return self.latest
+        _restores[0] += 1
+        key = f"tfdist/checkpoint/restore/{os.environ.get(_ATTEMPT, '0')}/{_restores[0]}"
+        if rank == 0:
+            path = self.latest
+            kvstore.put(key, path or "")
+            return path
+        said = kvstore.wait_for(key, time.monotonic() + _timeout())
+        if said is None:
+            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: worker 0 did not choose a "
+                                  f"checkpoint within {_timeout():g} s; every worker must call restore.")
+        return said or None
 
     def _join(self, seconds: float | None) -> None:
         writer = self._writer
@@ -143,6 +176,17 @@ class CheckpointManager:
             writer.join(seconds)
             if not writer.is_alive():
                 self._writer = None
+
+    def _leave(self, seconds: float) -> None:
+        self._join(seconds)
+        self._report_unwaited()
+
+    def _report_unwaited(self) -> None:
+        """Prints the error of a save nothing waited for (at exit, where it cannot be raised)."""
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            print(f"tfdist: CheckpointManager({self.directory!r}): its last save failed and nothing waited for it: "
+                  f"{failure}", file=sys.stderr)
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
@@ -168,13 +212,22 @@ class _SaveJob:
             else:
                 self._report_and_wait()
         except BaseException as error:  # noqa: BLE001 - raised again by the next save or wait
+            error = self._another_owner() or error  # its claim removed this save's folder
             if self.workers > 1:
                 kvstore.put(f"{self.key}/{self.rank}", f"failed: {type(error).__name__}: {error}")
                 if self.rank == 0:
                     kvstore.put(f"{self.key}/committed", f"failed: {error}")
             self.manager._failure = error if isinstance(error, CheckpointError) else CheckpointError(
                 f"Saving the checkpoint of step {self.step} into {self.manager.directory} failed on worker "
-                f"{self.rank}: {type(error).__name__}: {error}")
+                f"{self.rank}: {type(error).__name__}: {error}{self._hint(error)}")
+
+    def _hint(self, error: BaseException) -> str:
+        """What to do about a full disk ('' for other errors)."""
+        if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+            return ""
+        return (f": the filesystem of {self.manager.directory} is full. A save needs room for one more checkpoint "
+                f"beside those kept (max_to_keep={self.manager.max_to_keep}; they are removed only once it commits): "
+                "free space there, lower max_to_keep, or use a larger filesystem.")
 
     def _report_and_wait(self) -> None:
         kvstore.put(f"{self.key}/{self.rank}", "written")
@@ -197,17 +250,36 @@ class _SaveJob:
             raise CheckpointError(
                 f"Workers {missing} wrote their parts of step {self.step}, but worker 0 does not see them in "
                 f"{self.partial}: the checkpoint directory must be one filesystem every worker shares.")
-        holder = store.owner(self.manager.directory)
-        if holder != self.token:
-            raise CheckpointError(
-                f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or two "
-                "managers save into one directory. Give each its own directory.")
+        if not self.manager._claimed or store.owner(self.manager.directory) is None:  # or it was removed since
+            store.claim(self.manager.directory, self.token)  # (BackupAndRestore's end of fit removes backup_dir)
+            self.manager._claimed = True
+        taken = self._another_owner()
+        if taken:
+            raise taken
+        self._check_newest()
         path = store.commit(self.partial, self.manager.directory, self.step, self.manifest)
         if self.workers > 1:
             kvstore.put(f"{self.key}/committed", path)
         if self.manager.max_to_keep is not None:
             store.keep_newest(self.manager.directory, self.manager.max_to_keep)
         store.remove_partials(self.manager.directory, self.token, self.save_id)
+
+    def _another_owner(self) -> CheckpointError | None:
+        """The error to raise when another manager has claimed the directory since this one did, or None."""
+        holder = store.owner(self.manager.directory) if self.manager._claimed else None
+        if holder in (None, self.token):
+            return None
+        return CheckpointError(f"Another CheckpointManager ({holder}) writes {self.manager.directory} now: two jobs or "
+                               "two managers save into one directory. Give each its own directory.")
+
+    def _check_newest(self) -> None:
+        """Raises when a newer step is committed: this one would not be the latest (and max_to_keep would remove it)."""
+        found = store.committed(self.manager.directory)
+        if found and found[-1][0] > self.step:
+            raise CheckpointError(
+                f"The checkpoint of step {self.step} is older than the newest checkpoint in {self.manager.directory} "
+                f"(step-{found[-1][0]}): restore would read that one. Call manager.restore(model) before training, "
+                "or save into another directory.")
 
 
 class _Entry:

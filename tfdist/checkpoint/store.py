@@ -4,6 +4,7 @@
       step-120/              a committed checkpoint (the chief renamed it into place last)
         manifest.json        what each variable is and which part holds it
         part-0.npz ...       one file per worker: the variables it owns, its replicas' shards
+      step-120.aside/        step 120's older save while a new one of that step commits (read while step-120 is not)
       .partial-<id>/         a checkpoint being written (or one whose writer died): never read
       .owner                 the manager that writes here now
 
@@ -26,7 +27,8 @@ import numpy as np
 
 MANIFEST = "manifest.json"
 OWNER = ".owner"
-_STEP = re.compile(r"^step-(\d+)$")
+_ASIDE = ".aside"
+_STEP = re.compile(r"^step-(\d+)(?:\.aside)?$")
 
 
 def check_directory(directory: str) -> str:
@@ -74,28 +76,29 @@ def commit(partial: str, directory: str, step: int, manifest: dict[str, Any]) ->
     os.replace(temp, os.path.join(partial, MANIFEST))
     _sync_directory(partial)
     final = os.path.join(directory, f"step-{step}")
-    if os.path.exists(final):  # the same step saved again: the old one moves aside, then goes
-        aside = f"{partial}.replaced"
-        os.replace(final, aside)
-        os.replace(partial, final)
+    aside = final + _ASIDE
+    if os.path.exists(final):  # the same step saved again: the old one moves aside (still read), then goes
         shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(partial, final)
+        os.replace(final, aside)
+        _sync_directory(directory)
+    os.replace(partial, final)
     _sync_directory(directory)
+    shutil.rmtree(aside, ignore_errors=True)
     return final
 
 
 def committed(directory: str) -> list[tuple[int, str]]:
-    """Every committed checkpoint under ``directory``: (step, path), oldest first."""
+    """Every committed checkpoint under ``directory``: (step, path), oldest first. A ``step-N.aside`` (the step's
+    older save, moved aside while a new one of that step commits) counts while ``step-N`` is missing."""
     if not os.path.isdir(directory):
         return []
-    found = []
-    for name in os.listdir(directory):
+    found: dict[int, str] = {}
+    for name in sorted(os.listdir(directory), key=lambda n: n.endswith(_ASIDE)):  # step-N first
         match = _STEP.match(name)
         path = os.path.join(directory, name)
         if match and os.path.exists(os.path.join(path, MANIFEST)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+            found.setdefault(int(match.group(1)), path)
+    return sorted(found.items())
 
 
 def read_manifest(checkpoint: str) -> dict[str, Any]:
@@ -104,9 +107,10 @@ def read_manifest(checkpoint: str) -> dict[str, Any]:
 
 
 def keep_newest(directory: str, count: int) -> None:
-    """Removes committed checkpoints but the newest ``count``."""
-    for _, path in committed(directory)[:-count] if count > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+    """Removes committed checkpoints but the newest ``count`` (with what a crash left aside of their steps)."""
+    for step, _ in committed(directory)[:-count] if count > 0 else []:
+        for name in (f"step-{step}", f"step-{step}{_ASIDE}"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def remove_partials(directory: str, token: str, before: int) -> None:
@@ -118,8 +122,12 @@ def remove_partials(directory: str, token: str, before: int) -> None:
 
 
 def claim(directory: str, token: str) -> None:
-    """Records ``token`` as the manager that writes ``directory`` now."""
+    """Records ``token`` as the manager that writes ``directory`` now, and removes the partial checkpoints other
+    managers left (a killed run's: one still writing fails its commit, as ``token`` owns the directory)."""
     os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+        if name.startswith(".partial-") and not name.startswith(f".partial-{token}-"):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     temp = os.path.join(directory, f"{OWNER}.tmp{os.getpid()}")
     with open(temp, "w") as file:
         file.write(token)
