@@ -68,11 +68,11 @@ from keras.src.layers.layer import Layer
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 from keras.src.trainers import trainer as trainer_module
-from tensorflow.python.distribute import collective_util
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.eager import record
 from tensorflow.python.ops.losses import util as tf_losses_util
 
+from tfdist import replica_collectives
 from tfdist import compression as compression_lib  # the module: it may be importing still (it imports Keras)
 from tfdist.patching import Patch
 
@@ -120,12 +120,10 @@ def sum_over_replicas(value: tf.Tensor) -> tf.Tensor:
     runs. Eagerly (replicas run one after another) and without TensorFlow's collectives: ``all_reduce``.
     """
     context = tf.distribute.get_replica_context()
-    extended = tf.distribute.get_strategy().extended
-    get_ops = getattr(extended, "_get_cross_device_ops", None)
-    ops = get_ops(value) if get_ops is not None else None
-    if tf.executing_eagerly() or not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+    launch = replica_collectives.launcher(value)
+    if launch is None:
         return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
-    options = extended._communication_options.merge(collective_util.Options())
+    ops, options = launch
     return ops._all_reduce(tf.distribute.ReduceOp.SUM, value, context._replica_id, options)
 
 

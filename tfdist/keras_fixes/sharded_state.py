@@ -38,8 +38,6 @@ import math
 import numpy as np
 import tensorflow as tf
 from keras.src import backend, initializers, optimizers
-from tensorflow.python.distribute import collective_util
-from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.callbacks.callback_list import CallbackList
@@ -47,7 +45,7 @@ from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
 
-from tfdist import kvstore, process_group, save_rounds, sharding
+from tfdist import kvstore, process_group, replica_collectives, save_rounds, sharding
 from tfdist.errors import ShardingError
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
@@ -351,12 +349,10 @@ def _gather_equal_shards(context, shard: tf.Tensor) -> tf.Tensor:
     about three copies of the weight at once (on 2 x Dense(4096) under Adam, 2 workers, it cost a third of the
     memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``.
     """
-    extended = tf.distribute.get_strategy().extended
-    get_ops = getattr(extended, "_get_cross_device_ops", None)
-    ops = get_ops(shard) if get_ops is not None else None
-    if tf.executing_eagerly() or not isinstance(ops, cross_device_ops_lib.CollectiveAllReduce):
+    launch = replica_collectives.launcher(shard)
+    if launch is None:
         return context.all_gather(shard, axis=0)
-    options = extended._communication_options.merge(collective_util.Options())
+    ops, options = launch
     return ops._launchers[context._replica_id]._all_gather(shard, options)
 
 
