@@ -13,7 +13,7 @@ LAYERS = [
     (0, ("errors", "state", "cluster", "patching", "startup", "extras", "atomic_files", "stop_signals", "events", "run",
          "cli", "launch", "sharding", "fit_start")),
     (1, ("buckets", "autotune", "compression", "fusion", "devices", "watchdog", "kvstore", "preemption", "step_clock",
-         "stragglers", "timeline", "save_rounds")),
+         "stragglers", "timeline", "save_rounds", "replica_collectives")),
     (2, ("precision", "process_group")),
     (3, ("strategy",)),
     (4, ("keras_fixes", "tf_fixes", "runtime_hooks", "ray_fixes", "checkpoint")),

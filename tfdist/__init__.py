@@ -25,7 +25,8 @@ checks it, imports inside functions included):
    measured steps), ``compression``, ``fusion``, ``devices`` (device specs, GPU pinning, threads),
    ``watchdog`` (the hang watchdog), ``kvstore`` (the coordination service's key-value store),
    ``preemption`` (the agreed stop), ``step_clock`` (each step's times), ``stragglers`` (which worker
-   is slow), ``timeline`` (the Chrome trace), ``save_rounds`` (saves every worker takes part in);
+   is slow), ``timeline`` (the Chrome trace), ``save_rounds`` (saves every worker takes part in),
+   ``replica_collectives`` (collectives a replica launches from its own thread);
 2. ``precision``, ``process_group`` (collectives on a given strategy's workers);
 3. ``strategy`` (the factory);
 4. every change to Keras/TF/Ray internals, through ``patching.Patch``: ``keras_fixes/*``,
