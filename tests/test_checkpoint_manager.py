@@ -302,6 +302,51 @@ def test_a_restore_whose_checkpoint_another_manager_removes_meanwhile_reads_the_
     _assert_state_equal(_state(restored), _state(model))
 
 
+def test_metadata_whose_checkpoint_another_manager_removes_meanwhile_reads_the_newer_one(tmp_path, monkeypatch):
+    """As for restore: another process's manager commits step 8 and removes step 4 (max_to_keep=1) between
+    metadata()'s choice of step 4 and its read. It failed with FileNotFoundError; it returns step 8's metadata."""
+    model = _model(_strategy(1), False)
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    writer = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    writer.save(model, metadata={"epoch": 1})
+    read_manifest = store.read_manifest
+
+    def save_first(path):
+        monkeypatch.setattr(store, "read_manifest", read_manifest)
+        model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+        writer.save(model, metadata={"epoch": 2})
+        return read_manifest(path)
+
+    monkeypatch.setattr(store, "read_manifest", save_first)
+    assert tfdist.CheckpointManager(str(tmp_path)).metadata() == {"epoch": 2}
+
+
+def test_metadata_of_a_checkpoint_that_was_removed_is_a_named_error(tmp_path):
+    """An explicit path that max_to_keep removed failed with a bare FileNotFoundError of its manifest."""
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path), max_to_keep=1, async_save=False)
+    first = manager.save(model, metadata={"epoch": 0})
+    assert manager.metadata(first) == {"epoch": 0}
+    model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
+    manager.save(model, metadata={"epoch": 1})
+    with pytest.raises(CheckpointError) as error:
+        manager.metadata(first)
+    assert f"no committed checkpoint at {first!r}" in str(error.value)
+    assert f"the newest is {str(tmp_path / 'step-4')!r}" in str(error.value)
+
+
+def test_a_committed_checkpoint_missing_a_part_is_a_named_error(tmp_path):
+    """A part removed by hand (or never copied): restore raised a bare FileNotFoundError."""
+    model = _model(_strategy(1), False)
+    manager = tfdist.CheckpointManager(str(tmp_path), async_save=False)
+    path = manager.save(model)
+    os.remove(store.part_path(path, 0))
+    with pytest.raises(CheckpointError) as error:
+        manager.restore(_model(_strategy(1), False))
+    assert f"{path} is the newest committed checkpoint, but worker 0 cannot open it" in str(error.value)
+    assert "part-0.npz" in str(error.value) and "move it away" in str(error.value)
+
+
 def test_saves_called_from_several_threads_at_once_each_commit(tmp_path):
     model = _model(_strategy(1), False)
     model.fit(X, Y, batch_size=12, epochs=1, verbose=0)

@@ -129,6 +129,17 @@ def test_the_workers_of_a_job_restore_the_same_checkpoint_while_another_job_comm
     assert [(tmp_path / "out" / f"read{rank}").read_text() for rank in (0, 1)] == [f"step-{STEPS_PER_EPOCH}"] * 2
 
 
+def test_a_checkpoint_removed_while_the_workers_restore_it_is_restored_from_the_newer_one_on_every_worker(tmp_path):
+    """Another job commits step 8 and removes step 4 (max_to_keep) after worker 0 read step 4 and before worker 1
+    did: worker 1 failed with a bare FileNotFoundError (worker 0 returned, restored). Now every worker reads step 8."""
+    job = run_job("checkpoint_job.py", tmp_path / "out", str(tmp_path / "checkpoints"), "removed", "1",
+                  timeout=300).check()
+    for result in job.results.values():
+        assert result["restored_step"] == 2 * STEPS_PER_EPOCH
+        assert result["state"] == result["saved"]  # the second save's state, bit for bit, on both workers
+    assert [step for step, _ in store.committed(str(tmp_path / "checkpoints"))] == [2 * STEPS_PER_EPOCH]
+
+
 def test_a_first_save_whose_claim_fails_fails_on_every_worker_at_once_and_the_next_one_commits(tmp_path):
     """Worker 0's claim of the directory failed in save itself: it raised there, while worker 1 waited for the
     verdict of that save (the hang timeout) and the next save's workers agreed on two names (each waited again)."""

@@ -117,7 +117,8 @@ class ShardingError(ValueError, TfdistError):
 
 
 class CheckpointError(TfdistError):
-    """A checkpoint could not be saved, committed or restored; the message says which worker, file or variable."""
+    """A checkpoint could not be saved, committed, restored or read; the message says which worker, file or
+    variable."""
 
 
 class CompressionError(ValueError, TfdistError):

@@ -7,6 +7,9 @@
     checkpoint_job.py OUT DIR racing EPOCHS              fit, save; restore while another job commits step-99
                                                          between worker 0's look and worker 1's (OUT/read<rank>)
     checkpoint_job.py OUT DIR claim_fails EPOCHS         fit; save with worker 0's claim of DIR failing, then again
+    checkpoint_job.py OUT DIR removed EPOCHS             fit, save, fit, save (OUT: its state), fit; restore while
+                                                         another job commits the second save and removes the first
+                                                         between worker 0's read and worker 1's
     checkpoint_job.py OUT DIR killed EPOCHS              save once, fit an epoch, save again with each part's
                                                          write held until the test kills it (OUT/writing<rank>: pid)
 
@@ -72,20 +75,50 @@ if mode == "claim_fails":
 if mode in ("save", "killed", "resume_save", "racing", "claim_fails"):
     manager.save(model)
     manager.wait()
-if mode == "racing":
+if mode == "removed":
     from tfdist.checkpoint import manager as manager_module
 
-    restore_into, committed = manager_module.restore_into, pathlib.Path(out_dir, "committed")
+    manager.save(model)
+    model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=1, shuffle=False, verbose=0)
+    newer, hidden = manager.save(model), os.path.join(directory, ".another-jobs")
+    manager.wait()
+    payload["saved"] = common.checkpoint_state(model)
+    model.fit(x, y, batch_size=common.CHECKPOINT_BATCH, epochs=1, shuffle=False, verbose=0)  # not saved
+    opened, reader, read_manifest = pathlib.Path(out_dir, "opened"), manager_module._Reader, store.read_manifest
+    if tfdist.rank() == 0:
+        os.replace(newer, hidden)  # the first save is the newest when worker 0 chooses
 
-    def another_job_commits_meanwhile(model, path):  # worker 0 has chosen path: a newer one commits now
+        class Reader(reader):  # says when worker 0 has opened every part of the checkpoint it chose
+            def __init__(self, checkpoint, *args):
+                super().__init__(checkpoint, *args)
+                opened.write_text(os.path.basename(checkpoint))
+
+        manager_module._Reader = Reader
+    else:
+        def another_job_commits_and_removes(path):  # once worker 0 has read path: the newer one commits, path goes
+            store.read_manifest = read_manifest
+            deadline = time.monotonic() + 60
+            while not opened.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            os.replace(hidden, newer)
+            shutil.rmtree(path)
+            return read_manifest(path)
+
+        store.read_manifest = another_job_commits_and_removes
+    payload["restored_step"] = tfdist.CheckpointManager(directory).restore(model)
+if mode == "racing":
+    read_manifest, committed = store.read_manifest, pathlib.Path(out_dir, "committed")
+
+    def another_job_commits_meanwhile(path):  # worker 0 has chosen path: a newer one commits now
+        store.read_manifest = read_manifest
         if tfdist.rank() == 0:
             shutil.copytree(path, os.path.join(directory, ".copy"))
             os.replace(os.path.join(directory, ".copy"), os.path.join(directory, "step-99"))
             committed.write_text("1")
         pathlib.Path(out_dir, f"read{tfdist.rank()}").write_text(os.path.basename(path))
-        return restore_into(model, path)
+        return read_manifest(path)
 
-    manager_module.restore_into = another_job_commits_meanwhile
+    store.read_manifest = another_job_commits_meanwhile
     if tfdist.rank() == 1:
         deadline = time.monotonic() + 60
         while not committed.exists() and time.monotonic() < deadline:

@@ -7,7 +7,9 @@ until training next updates them) and returns; a background thread writes the pa
 disk, and the chief commits the checkpoint once every worker's part is written (``store``). A save that
 starts while the previous one still writes waits for it, so at most one copy is staged. ``restore`` reads
 the newest committed checkpoint (as worker 0 sees it) into a model on any number of workers and replicas,
-sharded or not: each replica reads the elements of its shard from the saved shards that hold them.
+sharded or not: each replica reads the elements of its shard from the saved shards that hold them. When
+another job's manager removes that checkpoint before every worker opened it (its ``max_to_keep``), every
+worker reads the newer one instead (``_Agreement``).
 
 Under several workers the directory must be one every worker sees (a shared or network filesystem);
 the workers agree through the job's key-value store (``tfdist.kvstore``).
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import os
 import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -116,26 +119,63 @@ class CheckpointManager:
         state sharded or not. Waits for this manager's own save first.
 
         Raises:
-            CheckpointError: the checkpoint is not this model's (another number or shape of variables).
+            CheckpointError: the checkpoint is not this model's (another number or shape of variables), or a
+                worker cannot open the newest one (a part missing).
         """
         self.wait()
         strategy = model.distribute_strategy
-        workers = process_group.num_workers(strategy)
-        path = self._agree_on_latest(process_group.worker_rank(strategy), workers)
-        while path is not None:
-            try:
-                return restore_into(model, path)
-            except FileNotFoundError:  # another job's manager removed it (max_to_keep) after committing a newer one
-                newer = self.latest
-                if newer == path or workers > 1:  # several workers would each choose another one
-                    raise
-                path = newer
-        return None
+        agreement = _Agreement(self.directory, process_group.worker_rank(strategy),
+                               process_group.num_workers(strategy))
+        reader = self._open_newest(_Reader, agreement, discard=_Reader.close)
+        return None if reader is None else _read_into(model, reader)
 
     def metadata(self, path: str | None = None) -> dict[str, Any]:
-        """The ``metadata`` saved with the checkpoint at ``path`` (default: the newest; {} without one)."""
-        path = path or self.latest
-        return store.read_manifest(path).get("metadata", {}) if path else {}
+        """The ``metadata`` saved with the checkpoint at ``path`` (default: the newest; {} without one).
+
+        Raises:
+            CheckpointError: no committed checkpoint at ``path`` (``max_to_keep`` removed it, or it never committed).
+        """
+        if path is None:
+            return self._open_newest(_metadata, _Agreement(self.directory, 0, 1)) or {}
+        try:
+            return _metadata(path)
+        except FileNotFoundError as error:
+            raise CheckpointError(
+                f"CheckpointManager({self.directory!r}).metadata: no committed checkpoint at {path!r} (max_to_keep "
+                f"removed it, or it never committed); the newest is {self.latest!r}. Pass a path that "
+                "manager.latest returned since, or no path for the newest.") from error
+
+    def _open_newest(self, read: Callable[[str], Any], agreement: _Agreement,
+                     discard: Callable[[Any], None] = lambda found: None) -> Any:
+        """``read(path)`` of the newest committed checkpoint as worker 0 sees it, or None without one.
+
+        When another job's manager removes it (``max_to_keep``, after committing a newer one) before every worker
+        read it, every worker reads the newer one instead (``discard`` drops what this worker read of the old one).
+        """
+        attempt, path = 0, agreement.choose(0, lambda: self.latest)
+        while path is not None:
+            try:
+                found, problem = read(path), ""
+            except FileNotFoundError as error:
+                found, problem = None, str(error)
+            problems = agreement.problems(attempt, problem)
+            if not problems:
+                return found
+            if not problem:
+                discard(found)
+            attempt += 1
+            path = agreement.choose(attempt, functools.partial(self._instead_of, path, problems))
+        return None
+
+    def _instead_of(self, path: str, problems: list[str]) -> str | None:
+        """The checkpoint to read instead of ``path``, which a worker could not open (``problems``)."""
+        newer = self.latest
+        if newer == path:
+            raise CheckpointError(
+                f"{path} is the newest committed checkpoint, but {'; '.join(problems)}: a part of it is missing "
+                "(removed by hand, or the workers do not share one filesystem). To restore the checkpoint before it, "
+                "move it away.")
+        return newer
 
     def _agree_on_token(self, rank: int, workers: int) -> str:
         """This manager's name in partial directories, the same on every worker (the chief's random one)."""
@@ -153,22 +193,6 @@ class CheckpointManager:
                                               f"save within {_timeout():g} s; every worker must call save.")
             self._token = token
         return self._token
-
-    def _agree_on_latest(self, rank: int, workers: int) -> str | None:
-        """The newest checkpoint as worker 0 sees it (another job may commit one while the workers look)."""
-        if workers == 1:
-            return self.latest
-        _restores[0] += 1
-        key = f"tfdist/checkpoint/restore/{os.environ.get(_ATTEMPT, '0')}/{_restores[0]}"
-        if rank == 0:
-            path = self.latest
-            kvstore.put(key, path or "")
-            return path
-        said = kvstore.wait_for(key, time.monotonic() + _timeout())
-        if said is None:
-            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: worker 0 did not choose a "
-                                  f"checkpoint within {_timeout():g} s; every worker must call restore.")
-        return said or None
 
     def _join(self, seconds: float | None) -> None:
         writer = self._writer
@@ -192,6 +216,53 @@ class CheckpointManager:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+
+class _Agreement:
+    """How the workers of one restore agree, through the job's store: worker 0 chooses each checkpoint to read (another
+    job may commit one while they look), and every worker learns which workers could not open it. One worker alone
+    agrees with itself."""
+
+    def __init__(self, directory: str, rank: int, workers: int):
+        self.directory, self.rank, self.workers = directory, rank, workers
+        if workers > 1:
+            _restores[0] += 1
+            self.key = f"tfdist/checkpoint/restore/{os.environ.get(_ATTEMPT, '0')}/{_restores[0]}"
+
+    def choose(self, attempt: int, choice: Callable[[], str | None]) -> str | None:
+        """Worker 0's ``choice()`` for ``attempt`` (a path, or None), on every worker; so is a CheckpointError of it."""
+        if self.workers == 1:
+            return choice()
+        key = f"{self.key}/{attempt}/chosen"
+        if self.rank == 0:
+            try:
+                path = choice()
+            except CheckpointError as error:
+                kvstore.put(key, f"failed: {error}")
+                raise
+            kvstore.put(key, path or "")
+            return path
+        said = self._wait(key, "worker 0 did not choose a checkpoint")
+        if said.startswith("failed: "):
+            raise CheckpointError(said[len("failed: "):])
+        return said or None
+
+    def problems(self, attempt: int, problem: str) -> list[str]:
+        """What kept each worker from opening the checkpoint of ``attempt`` (this worker's: ``problem``, '' for
+        nothing), the same list on every worker."""
+        said = [problem]
+        if self.workers > 1:
+            kvstore.put(f"{self.key}/{attempt}/opened/{self.rank}", problem)
+            said = [self._wait(f"{self.key}/{attempt}/opened/{worker}", f"worker {worker} did not open the checkpoint")
+                    for worker in range(self.workers)]
+        return [f"worker {worker} cannot open it ({said[worker]})" for worker in range(len(said)) if said[worker]]
+
+    def _wait(self, key: str, missing: str) -> str:
+        said = kvstore.wait_for(key, time.monotonic() + _timeout())
+        if said is None:
+            raise CheckpointError(f"CheckpointManager({self.directory!r}).restore: {missing} within {_timeout():g} s; "
+                                  "every worker must call restore.")
+        return said
 
 
 class _SaveJob:
@@ -355,21 +426,31 @@ def restore_into(model, checkpoint: str) -> int:
     Raises:
         CheckpointError: another number, shape or dtype of variables than the model's.
     """
-    manifest = store.read_manifest(checkpoint)
+    return _read_into(model, _Reader(checkpoint))
+
+
+def _metadata(checkpoint: str) -> dict[str, Any]:
+    """The ``metadata`` saved with the checkpoint at ``checkpoint`` (FileNotFoundError when it is gone)."""
+    return store.read_manifest(checkpoint).get("metadata", {})
+
+
+def _read_into(model, reader: _Reader) -> int:
+    """``restore_into`` from a checkpoint ``reader`` opened (it closes it)."""
+    checkpoint, manifest = reader.checkpoint, reader.manifest
     saved = manifest["variables"]
     optimizer = getattr(model, "optimizer", None)
-    if any(v["key"].startswith("optimizer/") for v in saved) and optimizer is not None and not optimizer.built:
-        with model.distribute_strategy.scope():
-            optimizer.build(model.trainable_variables)
-    entries = _entries(model)
-    if len(entries) != len(saved):
-        raise CheckpointError(
-            f"{checkpoint} holds {len(saved)} variables ({_count(saved, 'model/')} of the model, "
-            f"{_count(saved, 'optimizer/')} of its optimizer); this model has {len(entries)} "
-            f"({_count([e.describe() for e in entries], 'model/')} and "
-            f"{_count([e.describe() for e in entries], 'optimizer/')}): it was saved for another model or optimizer.")
-    reader = _Reader(checkpoint, manifest["workers"])
     try:
+        if any(v["key"].startswith("optimizer/") for v in saved) and optimizer is not None and not optimizer.built:
+            with model.distribute_strategy.scope():
+                optimizer.build(model.trainable_variables)
+        entries = _entries(model)
+        if len(entries) != len(saved):
+            raise CheckpointError(
+                f"{checkpoint} holds {len(saved)} variables ({_count(saved, 'model/')} of the model, "
+                f"{_count(saved, 'optimizer/')} of its optimizer); this model has {len(entries)} "
+                f"({_count([e.describe() for e in entries], 'model/')} and "
+                f"{_count([e.describe() for e in entries], 'optimizer/')}): it was saved for another model or "
+                "optimizer.")
         for entry, record in zip(entries, saved):
             if list(entry.shape) != record["shape"] or entry.dtype.name != record["dtype"]:
                 raise CheckpointError(
@@ -391,10 +472,22 @@ def _count(records, prefix: str) -> int:
 
 
 class _Reader:
-    """Reads saved arrays from a checkpoint's parts (each part opened once, each array read when asked)."""
+    """A checkpoint opened for reading: its manifest, and its parts (each opened once, each array read when asked).
 
-    def __init__(self, checkpoint: str, workers: int):
-        self.files = [np.load(store.part_path(checkpoint, w)) for w in range(workers)]
+    Raises FileNotFoundError when a file of it is missing. Once it is open, a removal of the checkpoint (another
+    manager's ``max_to_keep``) no longer disturbs it: its parts stay open.
+    """
+
+    def __init__(self, checkpoint: str):
+        self.checkpoint = checkpoint
+        self.manifest = store.read_manifest(checkpoint)
+        self.files: list = []
+        try:
+            for worker in range(self.manifest["workers"]):
+                self.files.append(np.load(store.part_path(checkpoint, worker)))
+        except BaseException:
+            self.close()
+            raise
         self.where = {key: f for f in self.files for key in f.files}
         self.saved_replicas: dict[str, int] = {}
 
