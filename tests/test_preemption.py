@@ -355,6 +355,24 @@ def test_a_second_signal_during_the_preemptions_save_still_exits_85_saved(tmp_pa
     assert "saved to" in result.stderr and "default action" not in result.stderr
 
 
+def test_a_preemption_names_what_a_checkpoint_manager_saved_not_nothing(tmp_path):
+    """No BackupAndRestore, but a CheckpointManager saving at every epoch end: the message said "nothing was saved
+    (no keras.callbacks.BackupAndRestore in fit's callbacks): the steps this run trained are lost" either way. (The
+    save at the stop, async, must also commit before the exit: it did not in one process.)"""
+    at_stop = one_process(tmp_path / "at-stop", "manager-at-stop")
+    assert at_stop.returncode == cluster.EXIT_PREEMPTED, at_stop.stderr[-3000:]
+    checkpoint = tmp_path / "at-stop" / "ckpt" / "step-10"
+    assert (f"every worker stopped after step 10 and tfdist.CheckpointManager saved it to {checkpoint}; "
+            "run the same command to resume there") in at_stop.stderr
+    assert "nothing was saved" not in at_stop.stderr
+    assert (checkpoint / "manifest.json").exists()  # committed before the process exited
+    before = one_process(tmp_path / "before", "manager-before")
+    assert before.returncode == cluster.EXIT_PREEMPTED, before.stderr[-3000:]
+    assert (f"every worker stopped after step 15; nothing was saved at that step (no keras.callbacks.BackupAndRestore "
+            f"in fit's callbacks): the 5 steps since tfdist.CheckpointManager saved step 10 to "
+            f"{tmp_path / 'before' / 'ckpt' / 'step-10'} are lost") in before.stderr
+
+
 def test_a_custom_loop_driving_a_callback_list_of_an_uncompiled_model(tmp_path):
     """The agreed stop's batch end read model.stop_training, which only compile creates: AttributeError."""
     result = one_process(tmp_path, "callback-list")

@@ -8,6 +8,9 @@
 * "second-signal": a SIGTERM in the last validation, and another during the preemption's save (it took the
   default action: exit 143, not 85);
 * "callback-list": a custom loop drives a ``CallbackList`` for a model never compiled (no ``stop_training``).
+* "manager-at-stop", "manager-before": no BackupAndRestore; a callback saves through a ``tfdist.CheckpointManager``
+  (OUT_DIR/ckpt) at every epoch end; a SIGTERM at the first epoch's last step (its save is the preemption's), or at
+  the second epoch's fifth (the last save is 5 steps before). The message said "nothing was saved" in both.
 
 Prints "batches N" (the training batches this run saw) and "returned" when fit returns.
 """
@@ -49,6 +52,8 @@ class Signals(keras.callbacks.Callback):
             open(marker, "w").close()
             print(f"batches {self.batches}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+        if (mode, self.epoch, batch) in (("manager-at-stop", 0, 9), ("manager-before", 1, 4)):
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def on_test_batch_end(self, batch, logs=None):
         if mode == "second-signal" and self.epoch == 1 and not os.path.exists(marker):
@@ -61,6 +66,15 @@ class SignalWhileSaving(keras.callbacks.BackupAndRestore):
         if mode == "second-signal" and os.path.exists(marker):
             os.kill(os.getpid(), signal.SIGTERM)
         super()._save_model()
+
+
+class SaveEachEpoch(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.manager = tfdist.CheckpointManager(os.path.join(out_dir, "ckpt"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.manager.save(self.model)
 
 
 if mode == "callback-list":
@@ -76,7 +90,8 @@ else:
     signals = Signals()
     if mode == "unknown-length":
         data = data.filter(lambda features, target: True)
+    saving = SaveEachEpoch() if mode.startswith("manager") else SignalWhileSaving(os.path.join(out_dir, "backup"))
     model.fit(data, epochs=2, verbose=0, validation_data=data if mode == "second-signal" else None,
-              callbacks=[signals, SignalWhileSaving(os.path.join(out_dir, "backup"))])
+              callbacks=[signals, saving])
     print(f"batches {signals.batches}", flush=True)
 print("returned", flush=True)

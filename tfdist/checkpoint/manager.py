@@ -39,6 +39,7 @@ FORMAT = 1
 _ATTEMPT = "TFDIST_RESTART"
 _managers = [0]  # managers of this process that began saving: the n-th is one manager on every worker
 _restores = [0]  # restores of this process under several workers: the n-th is one restore on every worker
+_savers: list[CheckpointManager] = []  # the managers of this process that began a save
 
 
 class CheckpointManager:
@@ -67,6 +68,7 @@ class CheckpointManager:
         self._failure: BaseException | None = None
         self._saving = threading.Lock()  # one save at a time, also when several threads call save
         self._claimed = False  # whether a commit of this manager claimed the directory (store.claim)
+        self._last_save: tuple[int, str] | None = None  # (step, path) of the last save it began
         kvstore.before_leaving(self._leave)  # a job that leaves together still commits
         atexit.register(self._report_unwaited)  # runs once Python joined the write
 
@@ -104,7 +106,11 @@ class CheckpointManager:
         else:
             job.run()
             self._raise_failure()
-        return os.path.join(self.directory, f"step-{step}")
+        path = os.path.join(self.directory, f"step-{step}")
+        if self._last_save is None:
+            _savers.append(self)
+        self._last_save = (step, path)
+        return path
 
     def wait(self) -> None:
         """Waits until the last save is committed (or failed); raises its error, if any."""
@@ -216,6 +222,14 @@ class CheckpointManager:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+
+def committed_saves() -> list[tuple[int, str]]:
+    """(step, path) of the last save of each CheckpointManager of this process, once each is committed (it waits for
+    those still writing, and raises the error of one that failed): what a preemption's message names."""
+    for manager in _savers:
+        manager.wait()
+    return [manager._last_save for manager in _savers]
 
 
 class _Agreement:

@@ -25,10 +25,11 @@ A ``fit`` of a model outside the job's strategy (a probe on one worker, a ``fit`
 callback) is a local session: it takes no stop signal and no number.
 
 ``fit`` on several workers without BackupAndRestore says once, where a preemption is likely
-(under SLURM or Kubernetes), that nothing would be saved. After a restore, EarlyStopping's and
-ReduceLROnPlateau's counters go on from the backup (``tfdist.keras_fixes.callback_state``): as
-they were when it saved (Keras runs callbacks in list order, so list BackupAndRestore after them
-to keep their epoch end).
+(under SLURM or Kubernetes), that nothing would be saved. Preempted without it, the message names
+what a ``tfdist.CheckpointManager`` saved (committed first), or the steps lost. After a restore,
+EarlyStopping's and ReduceLROnPlateau's counters go on from the backup
+(``tfdist.keras_fixes.callback_state``): as they were when it saved (Keras runs callbacks in list
+order, so list BackupAndRestore after them to keep their epoch end).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from keras.src.callbacks.callback_list import CallbackList
 
 from tfdist import preemption, process_group
 from tfdist import fit_start
+from tfdist.checkpoint import manager as checkpoint_manager
 from tfdist.keras_fixes import callback_state
 from tfdist.keras_fixes.callbacks import strategy_of, sum_over_workers
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
@@ -145,15 +147,30 @@ def _save_and_exit(callbacks: CallbackList, decision: preemption.Decision) -> No
     backups = _backups(callbacks)
     for backup in backups:
         backup._save_model()
-    head = (f"tfdist: preempted ({decision.why}): every worker stopped after step "
-            f"{int(callbacks.model.optimizer.iterations.numpy())}")
+    step = int(callbacks.model.optimizer.iterations.numpy())
+    head = f"tfdist: preempted ({decision.why}): every worker stopped after step {step}"
     if backups:
         backup = backups[0]
         where = (f"epoch {backup._current_epoch + 1}, step {backup._tfdist_steps_done} of it"
                  if getattr(backup, "_tfdist_steps_done", 0) else f"the end of epoch {backup._current_epoch}")
-        message = (f"{head} ({where}) and saved to {backup.backup_dir}; run the same command to resume there. "
-                   f"Exit code {preemption.EXIT_PREEMPTED}.")
+        message = f"{head} ({where}) and saved to {backup.backup_dir}; run the same command to resume there."
     else:
-        message = (f"{head}; nothing was saved (no keras.callbacks.BackupAndRestore in fit's callbacks): the "
-                   f"steps this run trained are lost. Exit code {preemption.EXIT_PREEMPTED}.")
-    preemption.exit_preempted(message)
+        message = _without_backup(head, step)
+    preemption.exit_preempted(f"{message} Exit code {preemption.EXIT_PREEMPTED}.")
+
+
+def _without_backup(head: str, step: int) -> str:
+    """The message of a preemption at ``step`` that no BackupAndRestore saved: what a tfdist.CheckpointManager of
+    this process saved (a callback's, at that step or before; its write is committed first), or that nothing was."""
+    saves = checkpoint_manager.committed_saves()
+    at_step = [path for saved, path in saves if saved == step]
+    if at_step:
+        return (f"{head} and tfdist.CheckpointManager saved it to {', '.join(at_step)}; run the same command to "
+                "resume there (if the script calls manager.restore(model) before training).")
+    earlier = [(saved, path) for saved, path in saves if saved < step and os.path.exists(path)]
+    if not earlier:
+        return (f"{head}; nothing was saved (no keras.callbacks.BackupAndRestore in fit's callbacks): the steps this "
+                "run trained are lost.")
+    saved, path = max(earlier)
+    return (f"{head}; nothing was saved at that step (no keras.callbacks.BackupAndRestore in fit's callbacks): the "
+            f"{step - saved} steps since tfdist.CheckpointManager saved step {saved} to {path} are lost.")
