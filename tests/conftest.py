@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.cpu_report"]
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet start-up logs, here and in worker jobs
 # Multi-worker fits keep the default buckets: autotune would trace each fit's step for every candidate
 # and share a record file between tests. Its own tests turn it on (tests/test_autotune*.py, buckets_job.py).
@@ -24,6 +26,20 @@ QUICK_MODULES = frozenset(f"test_{name}" for name in (
     "save_rounds", "strategy", "tf_fixes", "wire"))
 
 
+# The modules that take the most time, first (tests/run.sh runs the suite on 2 pytest-xdist workers, each taking
+# whole modules in this order as it frees up: a long module that came last would run alone at the end). From the
+# CPU report at the end of the suite (tests/cpu_report.py), 2026-11-29.
+SLOW_MODULES = tuple(f"test_{name}" for name in (
+    "keras_gate", "loss_matrix", "equivalence", "buckets_multi_worker", "elastic", "watchdog", "uneven_batches",
+    "model_files", "sharded_state_multi_worker", "ray", "elastic_netns", "steps_per_execution"))
+
+# Each xdist worker starts its local Ray clusters in a folder of its own, so one's `ray.init()` never finds the
+# other's cluster (Ray looks for a running one in its temporary folder).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
 def pytest_configure(config):
     import tensorflow as tf
 
@@ -32,6 +48,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        module = item.module.__name__.rpartition(".")[2]
+        return SLOW_MODULES.index(module) if module in SLOW_MODULES else len(SLOW_MODULES)
+
+    items.sort(key=rank)  # stable: each module's tests stay together, in their order
     for item in items:
         if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)

@@ -5,6 +5,8 @@
 # the current Python, copies the test tree without tfdist's sources to a temporary folder, and
 # runs pytest there, so every test and every worker it starts imports the installed package.
 # Arguments go to pytest: bash tests/run.sh -k doctor
+# Two pytest-xdist workers share the machine (TFDIST_TEST_WORKERS=N for N; 0 runs every test in one process),
+# each taking whole test modules, so a module's shared cluster or strategy stays one.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"
@@ -25,4 +27,6 @@ tar -C "$ROOT" --exclude=./tfdist --exclude=./.git --exclude=./.venv --exclude=.
 cd "$STAGE/tree"
 # What tests/test_install.py checks the installed package against.
 export TFDIST_SOURCE="$ROOT" TFDIST_DIST_DIR="$STAGE/dist"
-python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+PARALLEL=()
+if [ "${TFDIST_TEST_WORKERS:-2}" -gt 0 ]; then PARALLEL=(-n "${TFDIST_TEST_WORKERS:-2}" --dist loadfile); fi
+python -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "$@"
