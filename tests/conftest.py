@@ -26,9 +26,9 @@ QUICK_MODULES = frozenset(f"test_{name}" for name in (
     "save_rounds", "strategy", "tf_fixes", "wire"))
 
 
-# The modules that take the most time, first (tests/run.sh runs the suite on 2 pytest-xdist workers, each taking
-# whole modules in this order as it frees up: a long module that came last would run alone at the end). From the
-# CPU report at the end of the suite (tests/cpu_report.py), 2026-11-29.
+# Under pytest-xdist (TFDIST_TEST_WORKERS=2 bash tests/run.sh), the modules that take the most time go first: each
+# worker takes whole modules in collection order as it frees up, and a long module that came last would run alone
+# at the end. From the suite's --durations, 2026-11-29.
 SLOW_MODULES = tuple(f"test_{name}" for name in (
     "keras_gate", "loss_matrix", "equivalence", "buckets_multi_worker", "elastic", "watchdog", "uneven_batches",
     "model_files", "sharded_state_multi_worker", "ray", "elastic_netns", "steps_per_execution"))
@@ -52,7 +52,8 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__.rpartition(".")[2]
         return SLOW_MODULES.index(module) if module in SLOW_MODULES else len(SLOW_MODULES)
 
-    items.sort(key=rank)  # stable: each module's tests stay together, in their order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
+        items.sort(key=rank)  # stable: each module's tests stay together, in their order
     for item in items:
         if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)
