@@ -55,7 +55,6 @@ def test_ci_covers_every_loss_and_every_pair_of_the_other_dimensions():
 def test_every_loss_reduction_weighting_and_metric_is_one_devices():
     with tfdist.scope("mirrored", devices="CPU:[0-1]") as strategy:
         pass
-    verdicts = [(losses.run_loss_cell if isinstance(cell, losses.LossCell) else losses.run_metric_cell)(cell, strategy)
-                for cell in losses.ci_cells()]
+    verdicts = losses.run_cells(losses.ci_cells(), strategy)
     print(losses.table(verdicts))
     assert not [v for v in verdicts if v.outcome == "fail"], losses.table(verdicts)

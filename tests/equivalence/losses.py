@@ -140,6 +140,10 @@ class LossCell:
     def name(self) -> str:
         return "/".join(dataclasses.astuple(self))
 
+    @property
+    def kind(self) -> str:
+        return loss_kind(self.loss)
+
 
 @dataclasses.dataclass(frozen=True)
 class MetricCell:
@@ -216,17 +220,41 @@ def _model(kind: str) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(units, activation=activation)(hidden))
 
 
-def _train(strategy, kind, initial, compile_kwargs, x, y, weighting_kwargs):
-    """(weights after one epoch, fit's logs, evaluate's results) under ``strategy`` (None: one device)."""
-    scope = strategy.scope() if strategy is not None else _nothing()
-    with scope:
-        model = _model(kind)
-        model.set_weights(initial)
-        model.compile(keras.optimizers.SGD(0.05), **compile_kwargs())
+def compile_key(cell) -> tuple:
+    """What a cell's compiled model depends on: its loss and reduction, or its metrics' kind."""
+    if isinstance(cell, LossCell):
+        return "loss", cell.loss, cell.reduction
+    return "metrics", cell.kind
+
+
+def _train(strategy, cell, models: dict, initial, compile_kwargs, x, y, weighting_kwargs):
+    """(weights after one epoch, fit's logs, evaluate's results) under ``strategy`` (None: one device), from
+    ``initial``. Trains the model ``models`` keeps for the cell's ``compile_key`` on this arm, else a new one,
+    and keeps it for the next cell of that key."""
+    arm = (strategy is not None, compile_key(cell))
+    model = models.pop(arm, None) or _compiled(strategy, cell.kind, compile_kwargs)
+    _restart(model, initial)
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, **weighting_kwargs)
     weights = {k: v for k, v in weighting_kwargs.items() if k == "sample_weight"}
     evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True, **weights)
+    models[arm] = model  # kept only when it trained: a cell that fails leaves no model behind
     return model.get_weights(), {k: v[-1] for k, v in history.history.items()}, evaluated
+
+
+def _compiled(strategy, kind: str, compile_kwargs) -> keras.Model:
+    """A new model for ``kind``'s labels, compiled under ``strategy`` (None: one device)."""
+    with strategy.scope() if strategy is not None else _nothing():
+        model = _model(kind)
+        model.compile(keras.optimizers.SGD(0.05), **compile_kwargs())
+    return model
+
+
+def _restart(model: keras.Model, initial) -> None:
+    """``model`` as a new one: the ``initial`` weights, the optimizer at step 0 (fit and evaluate reset the
+    metrics themselves)."""
+    model.set_weights(initial)
+    if model.optimizer.built:
+        model.optimizer.iterations.assign(0)
 
 
 class _nothing:
@@ -259,11 +287,21 @@ def _compare(initial, reference, distributed, skip=()) -> list[str]:
     return problems
 
 
-def run_loss_cell(cell: LossCell, strategy) -> matrix.Verdict:
-    """Trains ``cell`` on one device and under ``strategy``; the verdict on what differs."""
-    kind = loss_kind(cell.loss)
+def run_cells(cells: list, strategy) -> list[matrix.Verdict]:
+    """The verdict on each cell, trained on one device and under ``strategy``. Cells of one ``compile_key`` train
+    the same two compiled models, each cell from its own initial weights: fit's train function is traced once per
+    key, arm and input structure (with or without example weights; class weights reach the step as sample
+    weights, and either split's batches fit one trace), not once per cell."""
+    models = {}
+    return [(run_loss_cell if isinstance(cell, LossCell) else run_metric_cell)(cell, strategy, models)
+            for cell in cells]
+
+
+def run_loss_cell(cell: LossCell, strategy, models: dict) -> matrix.Verdict:
+    """Trains ``cell`` on one device and under ``strategy`` (reusing ``models``, see ``run_cells``); the verdict
+    on what differs."""
     reduction = None if cell.reduction == "None" else cell.reduction
-    x, y, weighting = _data(kind, cell.weighting, cell.split)
+    x, y, weighting = _data(cell.kind, cell.weighting, cell.split)
 
     def compile_kwargs():
         loss = getattr(keras.losses, cell.loss)(reduction=reduction, **LOSS_ARGUMENTS.get(cell.loss, {}))
@@ -273,12 +311,13 @@ def run_loss_cell(cell: LossCell, strategy) -> matrix.Verdict:
     # no replica's share can give when a batch splits unevenly (tfdist.keras_fixes.batch_shares); the weights are
     # still checked.
     vector_display = reduction in (None, "none") and cell.split != "even"
-    return _verdict(cell, kind, compile_kwargs, x, y, weighting, strategy, skip=("loss",) if vector_display else ())
+    return _verdict(cell, compile_kwargs, x, y, weighting, strategy, models,
+                    skip=("loss",) if vector_display else ())
 
 
-def run_metric_cell(cell: MetricCell, strategy) -> matrix.Verdict:
-    """Trains ``cell``'s model with every metric and loss of its kind as metrics, plain and weighted; the verdict
-    on what differs."""
+def run_metric_cell(cell: MetricCell, strategy, models: dict) -> matrix.Verdict:
+    """Trains ``cell``'s model with every metric and loss of its kind as metrics, plain and weighted (reusing
+    ``models``, see ``run_cells``); the verdict on what differs."""
     x, y, weighting = _data(cell.kind, cell.weighting, cell.split)
 
     def compile_kwargs():
@@ -296,17 +335,17 @@ def run_metric_cell(cell: MetricCell, strategy) -> matrix.Verdict:
                 "metrics": [make(n, "") for n in names] + [loss_metric(n) for n in as_metrics],
                 "weighted_metrics": [make(n, "weighted_") for n in names]}
 
-    return _verdict(cell, cell.kind, compile_kwargs, x, y, weighting, strategy)
+    return _verdict(cell, compile_kwargs, x, y, weighting, strategy, models)
 
 
-def _verdict(cell, kind, compile_kwargs, x, y, weighting, strategy, skip=()) -> matrix.Verdict:
-    initial = _initial(kind)
+def _verdict(cell, compile_kwargs, x, y, weighting, strategy, models: dict, skip=()) -> matrix.Verdict:
+    initial = _initial(cell.kind)
     try:
-        reference = _train(None, kind, initial, compile_kwargs, x, y, weighting)
+        reference = _train(None, cell, models, initial, compile_kwargs, x, y, weighting)
     except Exception as error:  # noqa: BLE001 - Keras cannot train it on one device: nothing to compare with
         return matrix.Verdict(cell, "one device fails too", f"{type(error).__name__}: {str(error)[:200]}")
     try:
-        distributed = _train(strategy, kind, initial, compile_kwargs, x, y, weighting)
+        distributed = _train(strategy, cell, models, initial, compile_kwargs, x, y, weighting)
     except Exception as error:  # noqa: BLE001 - the verdict names it
         return matrix.Verdict(cell, "fail", f"{type(error).__name__}: {str(error)[:300]}")
     problems = _compare(initial, reference, distributed, skip)
@@ -339,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [cell for cell in loss_cells() + metric_cells() if cell.name in named]
     else:
         cells = loss_cells() + metric_cells() if "--all" in argv else ci_cells()
-    verdicts = [(run_loss_cell if isinstance(cell, LossCell) else run_metric_cell)(cell, strategy) for cell in cells]
+    verdicts = run_cells(cells, strategy)
     print(table(verdicts))
     print(f"{time.monotonic() - started:.0f} s")
     return 1 if any(v.outcome == "fail" for v in verdicts) else 0

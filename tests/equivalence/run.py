@@ -2,7 +2,8 @@
 
 Single-process cells run in one process (2 logical CPUs); tfdist.horovod cells in one
 2-worker ``tfdist run`` job. A cell that fails with an error, hangs or kills its process is
-recorded, and a new process (job) goes on with the cells after it. Exit status 0 when no cell failed.
+recorded, and a new process (job) goes on with the cells after it; after an error by design
+(refused on every rank before any collective) the same one goes on. Exit status 0 when no cell failed.
 
     python -m tests.equivalence.run                  # all pairs and matrix.PINNED (what CI runs)
     python -m tests.equivalence.run --strength 3     # every 3 values of 3 dimensions

@@ -3,8 +3,10 @@
 With ``TFDIST_KERAS_GATE_PASS=tfdist`` it imports tfdist first, as a user's script does, so tfdist's fixes apply
 when the tests import Keras; once the tests are collected it checks that every fix is applied. In the plain
 pass it checks that nothing imported tfdist. It stands in for Keras' own conftest.py (not in the sdist: its
-markers, and the helper some test files import from it), and writes every test's outcome, the collection errors
-and what it checked to ``TFDIST_KERAS_GATE_RESULT`` (JSON).
+markers, and the helper some test files import from it), and writes the tests it collected, every test's outcome,
+the collection errors and what it checked to ``TFDIST_KERAS_GATE_RESULT`` (JSON). With
+``TFDIST_KERAS_GATE_SHARD=i/n`` it runs only every n-th test collected, from the i-th (0-based): n such processes side
+by side run every test once.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import pytest
 
 PASS_ENV, RESULT_ENV = "TFDIST_KERAS_GATE_PASS", "TFDIST_KERAS_GATE_RESULT"
+SHARD_ENV = "TFDIST_KERAS_GATE_SHARD"
 WITH_TFDIST = os.environ.get(PASS_ENV) == "tfdist"
 
 if WITH_TFDIST:
@@ -31,6 +34,7 @@ def skip_if_backend(given_backend, reason):
 
 sys.modules.setdefault("conftest", sys.modules[__name__])
 
+_collected: list[str] = []  # node ids, -k's and the shard's deselection applied
 _outcomes: dict[str, str] = {}
 _failures: dict[str, str] = {}  # a failed test's report, its end
 _collection_errors: dict[str, str] = {}
@@ -42,16 +46,23 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multi_device: mark test for running with multiple devices only")
 
 
+@pytest.hookimpl(trylast=True)  # after -k's deselection: the shards share the tests that run
 def pytest_collection_modifyitems(config, items):
-    """As Keras' conftest.py on the TensorFlow backend: tests marked ``multi_device`` need several devices there."""
+    """As Keras' conftest.py on the TensorFlow backend: tests marked ``multi_device`` need several devices there.
+    Then, given a shard, the other shards' tests are deselected."""
     skip = pytest.mark.skip(reason="Requires multiple devices")
     for item in items:
         if "multi_device" in item.keywords:
             item.add_marker(skip)
+    if os.environ.get(SHARD_ENV):
+        index, count = map(int, os.environ[SHARD_ENV].split("/"))
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+        items[:] = items[index::count]
 
 
 def pytest_collection_finish(session):
     """The tests imported Keras by now: check that tfdist's fixes are applied (or, plain, that tfdist is absent)."""
+    _collected.extend(item.nodeid for item in session.items)
     if not WITH_TFDIST:
         _checks["tfdist_imported"] = "tfdist" in sys.modules
         return
@@ -84,5 +95,5 @@ def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get(RESULT_ENV)
     if path:
         with open(path, "w") as file:
-            json.dump({"outcomes": _outcomes, "failures": _failures, "collection_errors": _collection_errors,
-                       "checks": _checks}, file)
+            json.dump({"collected": _collected, "outcomes": _outcomes, "failures": _failures,
+                       "collection_errors": _collection_errors, "checks": _checks}, file)

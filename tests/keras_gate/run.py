@@ -23,8 +23,8 @@ ON_WORKERS = ("backend/tensorflow/distribute_test.py", "backend/tensorflow/optim
 
 def gate(files: list[str] | None = None, everything: bool = False, workers: int = 1,
          extra: tuple[str, ...] = ()) -> tuple[verdict.Verdict, str]:
-    """Runs the plain pass and the tfdist pass (or ``tfdist run -n workers``) of ``files`` side by side;
-    (verdict, report)."""
+    """Runs the tfdist pass (or ``tfdist run -n workers``) of ``files`` and, beside it, the plain pass's collection;
+    then plain the tests that did not pass with tfdist; (verdict, report)."""
     root = sdist.keras_tests()
     if not files:
         files = list(ON_WORKERS) if workers > 1 else selection.whole_set(root) if everything else selection.subset()
@@ -32,10 +32,11 @@ def gate(files: list[str] | None = None, everything: bool = False, workers: int 
     if absent:
         raise FileNotFoundError(f"Keras {sdist.installed_keras()} has no test file {absent}: update "
                                 f"tests/keras_gate/selection.py for this Keras (its files are under {root}).")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # side by side: each pass is mostly one busy core
-        plain = pool.submit(passes.run, root, files, with_tfdist=False, extra=extra)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the collection is short: the tfdist pass has the cores
+        collection = pool.submit(passes.collect, root, files, extra=extra)
         changed = pool.submit(passes.run, root, files, with_tfdist=True, workers=workers, extra=extra)
-        plain, changed = plain.result(), changed.result()
+        collection, changed = collection.result(), changed.result()
+    plain = passes.rerun(root, collection, verdict.plain_runs(collection, changed))
     result = verdict.compare(plain, changed)
     return result, f"Keras {sdist.installed_keras()}, {len(files)} test files\n" + verdict.report(plain, changed, result)
 
