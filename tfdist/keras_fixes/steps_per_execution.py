@@ -4,12 +4,12 @@ Keras 3 runs K steps in one ``tf.function`` through a ``while_loop`` whose body 
 one-step ``tf.function`` inside a ``tf.cond``; under MirroredStrategy and
 MultiWorkerMirroredStrategy the nested function fails: "You must feed a value for placeholder
 tensor '.../while/cond/Placeholder'". Under a strategy, the replacement traces the step body
-inline, in a ``tf.range`` loop that stops early at the end of the data, and reduces the logged
-values across replicas once per call (Keras returns only the last step's), which under a
-multi-worker strategy saves a collective per step. Every other case (no strategy, K=1, eager,
-XLA, Python iterators) stays with Keras: with no strategy Keras' function works, and it traces
-the step once where the inline loop traces it at both its call sites (twice when the first
-trace makes the optimizer's variables, as it does without a strategy: Keras allows 2).
+inline, as the only call in a ``tf.while_loop`` that stops early at the end of the data (so
+each replica's step is traced once, as in Keras' loop), and reduces the logged values across
+replicas once per call (Keras returns only the last step's), which under a multi-worker
+strategy saves a collective per step. Every other case (no strategy, K=1, eager, XLA, Python
+iterators) stays with Keras: with no strategy Keras' function works. The loop's first call
+that finds no batch returns nothing, and ``StopIteration`` ends the epoch, as in Keras.
 
 ``exact_steps_patch``: Keras 3.15 runs every call for K whole steps while the data lasts, so an
 epoch of S steps (``steps_per_epoch``) trains ceil(S/K)*K (``fit(steps_per_epoch=70)`` at K=16
@@ -66,23 +66,56 @@ def _steps_traced_inline(original, self, step_function):
 
     @tf.function(reduce_retracing=True)
     def multi_step(iterator, steps_this_call):
-        outputs = replicated_step(iterator.get_next())  # OutOfRangeError at the end: Keras ends the epoch
-        for _ in tf.range(steps_this_call - 1):
-            optional = iterator.get_next_as_optional()
-            if not optional.has_value():
-                break
-            outputs = replicated_step(optional.get_value())
+        outputs = _steps_in_a_loop(replicated_step, iterator, steps_this_call)
         # Only the last step's logs are returned: reduce them once, not every step.
-        return keras_tf_trainer.reduce_per_replica(outputs, strategy, reduction="auto")
+        return _map_optional(outputs, lambda logs: keras_tf_trainer.reduce_per_replica(logs, strategy, "auto"))
+
+    def run(iterator, steps_this_call: int):
+        outputs = multi_step(iterator, tf.constant(steps_this_call))
+        if not outputs.has_value():
+            raise StopIteration  # no batch was left for this call: Keras ends the epoch
+        return outputs.get_value()
 
     def function(iterator):
         if isinstance(iterator, PartialExecution):
-            return multi_step(iterator.iterator, tf.constant(iterator.steps))
+            return run(iterator.iterator, iterator.steps)
         if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
-            return multi_step(iterator, tf.constant(steps))
+            return run(iterator, steps)
         return keras_function(iterator)
 
     return function
+
+
+def _steps_in_a_loop(replicated_step, iterator, steps) -> tf.experimental.Optional:
+    """Up to ``steps`` steps on ``iterator``'s batches, fewer when the data ends: an Optional of the last step's
+    outputs, empty when no batch was left. The loop's body is the step's one call site; the outputs' spec, unknown
+    before the loop, is set when the body traces the step (as Keras' own loop does)."""
+    last = tf.experimental.Optional.empty(None)
+
+    def more(step, inputs, outputs):
+        return tf.logical_and(step < steps, inputs.has_value())
+
+    def body(step, inputs, outputs):
+        outputs = tf.experimental.Optional.from_value(replicated_step(inputs.get_value()))
+        last._element_spec = outputs.element_spec
+        inputs = tf.cond(step + 1 < steps, iterator.get_next_as_optional, lambda: inputs)  # none past the call's
+        return step + 1, inputs, outputs
+
+    _, _, outputs = tf.while_loop(more, body, [tf.constant(0), iterator.get_next_as_optional(), last])
+    outputs._element_spec = last.element_spec
+    return outputs
+
+
+def _map_optional(optional: tf.experimental.Optional, function) -> tf.experimental.Optional:
+    """An Optional of ``function`` of ``optional``'s value, or an empty one."""
+    mapped = tf.experimental.Optional.empty(None)
+
+    def value():
+        result = tf.experimental.Optional.from_value(function(optional.get_value()))
+        mapped._element_spec = result.element_spec  # tf.cond traces this branch before the empty one
+        return result
+
+    return tf.cond(optional.has_value(), value, lambda: mapped)
 
 
 def _no_strategy(model) -> bool:
