@@ -242,7 +242,8 @@ def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> li
 
     None (the whole sums, then sliced) eagerly, under cross-device ops other than collectives, when the
     gradients are sums already (a LossScaleOptimizer's finite check, clipping), when the optimizer all-reduces
-    in a way of its own (``DistributedOptimizer(compression=...)``), or when this replica's index is not known when tracing.
+    in a way of its own (``DistributedOptimizer(compression=...)``), or when this replica's index is not known
+    when tracing.
     """
     launch = replica_collectives.launcher(grads[0]) if grads else None
     replica = tf.get_static_value(context.replica_id_in_sync_group)
