@@ -120,6 +120,26 @@ def test_a_weight_whose_size_does_not_divide_pads_its_last_shard():
     assert {replica_values(v)[0].shape for v in two.optimizer.variables} >= {(18,), (4,), (11,), (2,)}
 
 
+def test_a_sharded_step_all_reduces_each_replicas_shard_of_the_gradients_never_a_whole_one(monkeypatch):
+    """Each replica's shard row is summed on its own (the sums a replica does not keep are dropped as they come):
+    no all-reduce holds a whole gradient, and still one device's weights."""
+    from tensorflow.python.distribute import cross_device_utils
+
+    sizes = []
+    original = cross_device_utils.CollectiveReplicaLauncher.all_reduce
+
+    def all_reduce(self, input_tensor, *args, **kwargs):
+        sizes.append(input_tensor.shape.num_elements())
+        return original(self, input_tensor, *args, **kwargs)
+
+    monkeypatch.setattr(cross_device_utils.CollectiveReplicaLauncher, "all_reduce", all_reduce)
+    one = train(OPTIMIZERS["nadam"], 1)
+    two = train(OPTIMIZERS["nadam"], 2)
+    assert_trains_as_one_device(one, two)
+    shards = sum(-(-int(np.prod(v.shape)) // 2) for v in two.trainable_variables)  # one row: 106 of 212 elements
+    assert sizes and max(sizes) <= shards, sizes
+
+
 def test_mixed_float16_sharded_equals_unsharded_on_the_same_replicas():
     """Loss scaling wraps the sharded optimizer; the shards' update is the whole update's, bit for bit."""
     whole = train(lambda: keras.optimizers.Adam(0.01), 2, shard=False, policy="mixed_float16")
