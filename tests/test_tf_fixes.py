@@ -1,4 +1,8 @@
-"""tfdist.tf_fixes: tf.distribute's per-device input datasets run without a tf.data autotune thread."""
+"""tfdist.tf_fixes: tf.distribute's per-device input datasets run without a tf.data autotune thread, and a
+multi-device iterator's input dataset outlives the iterator."""
+
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
@@ -34,3 +38,57 @@ def test_a_tensorflow_patch_names_tensorflow_when_it_cannot_apply():
                       match=rf"to TensorFlow {tf.__version__}: .*Owner.missing does not exist.*"
                             r"checked against TensorFlow 2\.21"):
         assert not patch.apply()
+
+
+# Deletes tf.distribute iterators (MirroredStrategy, 2 CPU devices) just after their first batch, while their
+# MultiDeviceIterator's thread waits 50 ms for the next one (Keras' fit does so after its first batch, with a pipeline
+# that has not warmed up): first with tfdist's fix, then without it. Core dumps off: the second part crashes.
+_DROP_MID_FETCH = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+import numpy as np, tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfdist  # installs the runtime hooks, tf_fixes among them
+from tfdist import tf_fixes
+patch = getattr(tf_fixes, "multi_device_input", None)  # None where tfdist has no such fix
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+options = tf.data.Options()
+options.experimental_optimization.apply_default_optimizations = False  # as Keras' array adapter: nothing rewritten
+data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(50_000))
+data = strategy.experimental_distribute_dataset(data.with_options(options))
+for fixed, times in ((True, 10), (False, 20)):
+    if not fixed and patch:
+        patch.restore()
+    print("fixed" if fixed else "unfixed", bool(patch and patch.applied), end=":", flush=True)
+    for _ in range(times):
+        iterator = iter(data)
+        next(iterator)
+        del iterator
+        print(".", end="", flush=True)
+    print(" survived", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def dropped_mid_fetch():
+    from tests.jobs import job_env
+
+    return subprocess.run([sys.executable, "-c", _DROP_MID_FETCH], env=job_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_deleting_a_mirrored_iterator_while_it_fetches_does_not_crash(dropped_mid_fetch):
+    """TensorFlow 2.21's MultiDeviceIterator freed its input dataset before stopping the thread fetching from it: the
+    batch that thread was waiting for then crashed the process (SIGSEGV in DatasetBaseIterator::GetNext): here within
+    the first 2 iterators; in Keras' fit, which deletes one after the first batch, rarely (more often under load)."""
+    assert "fixed True:.......... survived" in dropped_mid_fetch.stdout, (
+        dropped_mid_fetch.returncode, dropped_mid_fetch.stdout, dropped_mid_fetch.stderr[-3000:])
+
+
+def test_without_the_fix_tensorflow_crashes(dropped_mid_fetch):
+    """If this starts failing, TensorFlow's MultiDeviceIterator keeps its input until its thread stops: drop
+    tf_fixes.multi_device_input."""
+    assert "unfixed False:" in dropped_mid_fetch.stdout, dropped_mid_fetch.stdout
+    assert dropped_mid_fetch.returncode < 0, (dropped_mid_fetch.returncode, dropped_mid_fetch.stdout)

@@ -16,14 +16,30 @@ keeps it).
 workers that every one has data) is timed into ``tfdist.step_clock``: a worker whose input
 pipeline is slow is seen waiting there, its peers in the agreement after it.
 
-Both are installed with ``tfdist.runtime_hooks``.
+``multi_device_input``: TensorFlow 2.21's ``MultiDeviceIterator`` (tf.distribute's input under
+Mirrored and MultiWorkerMirrored strategies) frees its input dataset before it stops the
+thread that fetches from it (``dataset_`` is its last member, destroyed first, and the
+iterator's ``RootDataset`` borrows that dataset when tf.data rewrites nothing, as with Keras'
+``apply_default_optimizations=False``). An iterator deleted while that thread waits for a
+batch crashes the process when the batch arrives (segmentation fault in
+``DatasetBaseIterator::GetNext``). Keras deletes one in every ``fit``, just after its first
+batch (``epoch_iterator.reset()`` after ``_maybe_symbolic_build``), when the pipeline has not
+warmed up: rarely, more often on a loaded CPU (one of three 2-worker runs of the test suite
+crashed so). The fix keeps the input dataset referenced by each Python owner of the iterator
+(the multi-device iterator and its per-device iterators), set after their own handles, so
+that it is released just after the iterator is destroyed, never before.
+
+All three are installed with ``tfdist.runtime_hooks``.
 """
 
 from __future__ import annotations
 
+import threading
+
 import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops
 from tensorflow.python.distribute import input_lib
+from tensorflow.python.ops import gen_dataset_ops
 
 from tfdist import step_clock
 from tfdist.patching import Patch
@@ -61,3 +77,41 @@ def _optional_list_clocked(original, self):
 @input_clock.replaces(_Worker, "get_next_as_list", ("self", "name"))
 def _list_clocked(original, self, name=None):
     return step_clock.input_times(lambda: original(self, name))
+
+
+multi_device_input = Patch(
+    "a multi-device iterator's input dataset outlives it", "tensorflow 2.21: MultiDeviceIterator frees its input "
+    "dataset before it stops its fetching thread",
+    without="deleting a tf.distribute iterator (Keras does in every fit, after the first batch) while its thread waits "
+            "for a batch can crash the process with a segmentation fault.", library="tensorflow")
+_creating = threading.local()  # the input datasets MultiDeviceIteratorInit got while this thread builds an iterator
+
+
+@multi_device_input.replaces(gen_dataset_ops, "multi_device_iterator_init",
+                             ("dataset", "multi_device_iterator", "max_buffer_size", "name"))
+def _init_noting_the_input(original, dataset, multi_device_iterator, max_buffer_size, name=None):
+    noted = getattr(_creating, "inputs", None)
+    if noted is not None:
+        noted.append(dataset)
+    return original(dataset, multi_device_iterator, max_buffer_size, name=name)
+
+
+_Owned = multi_device_iterator_ops.OwnedMultiDeviceIterator
+
+
+@multi_device_input.replaces(_Owned, "__init__", ("self", "dataset", "devices", "max_buffer_size",
+                                                  "prefetch_buffer_size", "source_device", "components",
+                                                  "element_spec"))
+def _owners_keep_the_input(original, self, *args, **kwargs):
+    """Every Python owner of the new iterator's handle also holds its input dataset (its variant tensor), set after
+    the handle: Python releases an object's attributes in the order they were set, so whichever owner lets the
+    iterator go releases the dataset only after the iterator (and its fetching thread) is gone."""
+    outer, _creating.inputs = getattr(_creating, "inputs", None), []
+    try:
+        original(self, *args, **kwargs)
+        noted = _creating.inputs
+    finally:
+        _creating.inputs = outer
+    if noted and tf.executing_eagerly():
+        for owner in (self, *self._device_iterators):
+            owner._tfdist_input_dataset = noted[-1]
