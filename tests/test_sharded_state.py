@@ -335,3 +335,28 @@ def test_tfdists_callbacks_broadcast_and_correct_momentum_without_touching_the_s
     two.fit(X, Y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0, callbacks=callbacks())
     assert sharded_state.is_sharded(two.optimizer)
     assert_trains_as_one_device(one, two)
+
+
+@pytest.mark.parametrize("shard, clipnorm, tuned", [(False, None, True), (True, None, False), (True, 1.0, True)])
+def test_autotune_leaves_alone_a_sharded_step_that_sums_shard_rows_in_no_bucket(monkeypatch, shard, clipnorm, tuned):
+    """A multi-worker fit tunes the gradient buckets (TFDIST_AUTOTUNE=1): a sharded step that sums shard rows uses
+    no bucket, so its candidates are one function timed for nothing, whose "choice" an unsharded run of the same
+    model and hosts would apply from the record file. Clipping sums the gradients whole, in buckets: tuned."""
+    from tfdist import autotune, process_group
+    from tfdist.keras_fixes import autotune_fit
+
+    monkeypatch.setattr(autotune, "_switch", True)
+    monkeypatch.setattr(process_group, "is_multi_worker", lambda strategy: True)  # 2 workers, as the tuner sees them
+    monkeypatch.setattr(process_group, "for_strategy", lambda strategy: type("Group", (), {"rank": 0})())
+    monkeypatch.setattr(autotune_fit, "_the_chief_tunes", lambda group: True)
+    monkeypatch.setattr(autotune_fit, "_hosts", lambda strategy: ["127.0.0.1", "127.0.0.1"])
+    monkeypatch.setattr(autotune_fit, "_recorded", lambda group, key: None)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=shard):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024), keras.layers.Dense(512),
+                                  keras.layers.Dense(10)])
+        model.compile(keras.optimizers.Adam(0.01, clipnorm=clipnorm), "mse")
+        model.optimizer.build(model.trainable_variables)
+    assert len(autotune.candidates(*autotune_fit._gradients(model))) > 1
+    model.make_train_function(force=True)
+    assert isinstance(model.train_function, autotune.Tuner) is tuned

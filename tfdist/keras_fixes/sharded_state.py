@@ -247,9 +247,7 @@ def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> li
     """
     launch = replica_collectives.launcher(grads[0]) if grads else None
     replica = tf.get_static_value(context.replica_id_in_sync_group)
-    own_wire = (type(optimizer)._all_reduce_sum_gradients is not TFOptimizer._all_reduce_sum_gradients
-                and getattr(optimizer, "compression", None) is not compression_lib.Compression.none)
-    if launch is None or replica is None or gradient_buckets.already_reduced(optimizer) or own_wire:
+    if launch is None or replica is None or gradient_buckets.already_reduced(optimizer) or _own_wire(optimizer):
         return None
     ops, options = launch
     launcher = ops._launchers[context._replica_id]
@@ -277,6 +275,23 @@ def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> li
     dtype = next((s.dtype for s in shards if s.dtype in (tf.float32, tf.float64)), tf.float32)
     total = launcher.all_reduce(tf.cast(count, dtype), options=options)
     return [tf.math.divide_no_nan(s, tf.cast(total, s.dtype)) for s in shards]
+
+
+def _own_wire(optimizer) -> bool:
+    """Whether ``optimizer`` all-reduces its gradients in a way of its own (``DistributedOptimizer(compression=...)``)."""
+    return (type(optimizer)._all_reduce_sum_gradients is not TFOptimizer._all_reduce_sum_gradients
+            and getattr(optimizer, "compression", None) is not compression_lib.Compression.none)
+
+
+def sums_shard_rows(optimizer) -> bool:
+    """Whether a step of ``optimizer`` (built) under a collective strategy sums the gradients by shard rows
+    (``_reduced_shards``), so the gradient buckets' setting plays no part in it (``tfdist.autotune`` has nothing
+    to tune). False where the sums are whole, in buckets: a loss scale's finite check, clipping, a wire of the
+    optimizer's own."""
+    if isinstance(optimizer, optimizers.LossScaleOptimizer) or not is_sharded(optimizer):
+        return False
+    clips = any(value and value > 0 for value in (optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
+    return not clips and not _own_wire(optimizer)
 
 
 def _rows_of(tensor, layout: _Layout, shape) -> tf.Tensor:
