@@ -360,3 +360,54 @@ def test_autotune_leaves_alone_a_sharded_step_that_sums_shard_rows_in_no_bucket(
     assert len(autotune.candidates(*autotune_fit._gradients(model))) > 1
     model.make_train_function(force=True)
     assert isinstance(model.train_function, autotune.Tuner) is tuned
+
+
+ZERO_SIZE_SCRIPT = r"""
+import sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+import keras, numpy as np, tfdist
+
+class Empty(keras.layers.Layer):  # a weight of no elements (a float64 group of its own)
+    def build(self, shape):
+        self.e = self.add_weight(shape=(0,), initializer="zeros", name="e", dtype="float64")
+    def call(self, x):
+        return x + tf.cast(tf.reduce_sum(self.e), x.dtype)
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(48, 8)).astype("float32"), rng.normal(size=(48, 3)).astype("float32")
+def build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), Empty()])
+    model.compile(keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2), "mse")
+    return model
+one = build()
+one.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+with tfdist.scope("mirrored", devices="CPU:[0-2]", shard_optimizer_state=True):
+    three = build()
+three.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+for got, want in zip(three.get_weights(), one.get_weights()):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+for got, want in zip(three.optimizer.variables, one.optimizer.variables):  # whole slots, gathered
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+three.save_weights(sys.argv[1])  # Keras' file, whole slots
+again = build()
+again.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)  # builds the optimizer
+again.load_weights(sys.argv[1])
+for got, want in zip(again.optimizer.variables, one.optimizer.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+print("trained as one device")
+"""
+
+
+def test_a_weight_of_no_elements_trains_and_reads_whole_without_a_collective_that_crashes(tmp_path):
+    """TensorFlow's all-gather of no elements kills the process (a segfault, in 2.21): a sharded weight of size 0
+    (and its slots) is gathered without one. In a process of its own, so a crash fails only this test."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ZERO_SIZE_SCRIPT, str(tmp_path / "zero.weights.h5")], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0 and "trained as one device" in done.stdout, (done.returncode, done.stderr[-3000:])

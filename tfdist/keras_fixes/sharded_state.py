@@ -430,8 +430,11 @@ def _gather_equal_shards(context, shard: tf.Tensor) -> tf.Tensor:
     TensorFlow launches its replica-context all-reduce for XLA: ``ReplicaContext.all_gather`` (a merge_call)
     allows shards of unequal lengths by gathering them padded, then slicing and concatenating, which holds
     about three copies of the weight at once (on 2 x Dense(4096) under Adam, 2 workers, it cost a third of the
-    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``.
+    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``. Shards of no elements (a
+    weight of size 0) are not gathered: TensorFlow's all-gather of no elements kills the process (2.21).
     """
+    if shard.shape.num_elements() == 0:
+        return tf.zeros([0], shard.dtype)
     launch = replica_collectives.launcher(shard)
     if launch is None:
         return context.all_gather(shard, axis=0)
@@ -455,12 +458,16 @@ class _ShardSlot(backend.Variable):
     def whole(self) -> np.ndarray:
         """The whole slot, in the reference weight's shape (a collective under several workers)."""
         strategy, slot = self._tfdist_strategy, self._tfdist_slot
+        if slot.size == 0:  # nothing to gather (TensorFlow's all-gather of no elements kills the process)
+            return np.zeros(slot.shape, self.dtype)
         _every_worker_gathers(strategy, self.name)
         gathered = strategy.gather(strategy.run(lambda: tf.identity(self.value)), axis=0)
         return gathered[:slot.size].numpy().reshape(slot.shape)
 
     def gathered(self) -> tf.Tensor:
         """The whole slot as a tensor, in cross-replica context inside a ``tf.function`` (every worker runs it)."""
+        if self._tfdist_slot.size == 0:  # as ``whole``
+            return tf.zeros(self._tfdist_slot.shape, self.dtype)
         whole = self._tfdist_strategy.gather(self.value, axis=0)
         return tf.reshape(whole[:self._tfdist_slot.size], self._tfdist_slot.shape)
 
