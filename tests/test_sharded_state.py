@@ -411,3 +411,46 @@ def test_a_weight_of_no_elements_trains_and_reads_whole_without_a_collective_tha
     done = subprocess.run([sys.executable, "-c", ZERO_SIZE_SCRIPT, str(tmp_path / "zero.weights.h5")], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0 and "trained as one device" in done.stdout, (done.returncode, done.stderr[-3000:])
+
+
+class _ScaledWithAnIdleWeight(keras.layers.Layer):
+    """A scalar weight (1 element on 3 replicas: two padding zeros) and a weight no loss reaches (no gradient)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+        self.idle = self.add_weight(shape=(5,), initializer="ones", name="idle")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def test_shard_rows_of_odd_weights_train_as_one_device_over_partial_batches_and_a_second_fit():
+    """Summed by shard rows on 3 replicas: an Embedding's sparse gradient, a float64 layer (a group of its own),
+    sizes that do not divide by 3, a scalar, a frozen layer and a weight with no gradient; 50 examples in batches
+    of 16 (the last split 1/1/0: the examples' count summed in one more all-reduce), 3 steps per execution, then
+    a second fit of batches of 12 (a retrace)."""
+    rng_ = np.random.default_rng(0)
+    features, tokens = rng_.normal(size=(50, 8)).astype("float32"), rng_.integers(0, 10, size=(50, 4)).astype("int32")
+    targets = rng_.normal(size=(50, 3)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(1)
+        f, t = keras.Input((8,)), keras.Input((4,), dtype="int32")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 3)(t))
+        wide = keras.layers.Dense(7)(keras.layers.Dense(5, dtype="float64")(f))
+        frozen = keras.layers.Dense(4, trainable=False)(f)
+        out = _ScaledWithAnIdleWeight()(keras.layers.Dense(3)(keras.layers.Concatenate()([embedded, wide, frozen])))
+        model = keras.Model([f, t], out)
+        model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.1), "mse", steps_per_execution=3)
+        return model
+
+    def fit(model):
+        model.fit([features, tokens], targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model.fit([features, tokens], targets, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    one = fit(build())
+    with tfdist.scope("mirrored", devices="CPU:[0-2]", shard_optimizer_state=True):
+        three = build()
+    assert_trains_as_one_device(one, fit(three))
+    assert sharded_state.sums_shard_rows(three.optimizer)
