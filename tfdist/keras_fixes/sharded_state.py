@@ -247,9 +247,7 @@ def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> li
     """
     launch = replica_collectives.launcher(grads[0]) if grads else None
     replica = tf.get_static_value(context.replica_id_in_sync_group)
-    own_wire = (type(optimizer)._all_reduce_sum_gradients is not TFOptimizer._all_reduce_sum_gradients
-                and getattr(optimizer, "compression", None) is not compression_lib.Compression.none)
-    if launch is None or replica is None or gradient_buckets.already_reduced(optimizer) or own_wire:
+    if launch is None or replica is None or gradient_buckets.already_reduced(optimizer) or _own_wire(optimizer):
         return None
     ops, options = launch
     launcher = ops._launchers[context._replica_id]
@@ -277,6 +275,23 @@ def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> li
     dtype = next((s.dtype for s in shards if s.dtype in (tf.float32, tf.float64)), tf.float32)
     total = launcher.all_reduce(tf.cast(count, dtype), options=options)
     return [tf.math.divide_no_nan(s, tf.cast(total, s.dtype)) for s in shards]
+
+
+def _own_wire(optimizer) -> bool:
+    """Whether ``optimizer`` all-reduces its gradients in a way of its own (``DistributedOptimizer(compression=...)``)."""
+    return (type(optimizer)._all_reduce_sum_gradients is not TFOptimizer._all_reduce_sum_gradients
+            and getattr(optimizer, "compression", None) is not compression_lib.Compression.none)
+
+
+def sums_shard_rows(optimizer) -> bool:
+    """Whether a step of ``optimizer`` (built) under a collective strategy sums the gradients by shard rows
+    (``_reduced_shards``), so the gradient buckets' setting plays no part in it (``tfdist.autotune`` has nothing
+    to tune). False where the sums are whole, in buckets: a loss scale's finite check, clipping, a wire of the
+    optimizer's own."""
+    if isinstance(optimizer, optimizers.LossScaleOptimizer) or not is_sharded(optimizer):
+        return False
+    clips = any(value and value > 0 for value in (optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
+    return not clips and not _own_wire(optimizer)
 
 
 def _rows_of(tensor, layout: _Layout, shape) -> tf.Tensor:
@@ -415,8 +430,11 @@ def _gather_equal_shards(context, shard: tf.Tensor) -> tf.Tensor:
     TensorFlow launches its replica-context all-reduce for XLA: ``ReplicaContext.all_gather`` (a merge_call)
     allows shards of unequal lengths by gathering them padded, then slicing and concatenating, which holds
     about three copies of the weight at once (on 2 x Dense(4096) under Adam, 2 workers, it cost a third of the
-    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``.
+    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``. Shards of no elements (a
+    weight of size 0) are not gathered: TensorFlow's all-gather of no elements kills the process (2.21).
     """
+    if shard.shape.num_elements() == 0:
+        return tf.zeros([0], shard.dtype)
     launch = replica_collectives.launcher(shard)
     if launch is None:
         return context.all_gather(shard, axis=0)
@@ -440,12 +458,16 @@ class _ShardSlot(backend.Variable):
     def whole(self) -> np.ndarray:
         """The whole slot, in the reference weight's shape (a collective under several workers)."""
         strategy, slot = self._tfdist_strategy, self._tfdist_slot
+        if slot.size == 0:  # nothing to gather (TensorFlow's all-gather of no elements kills the process)
+            return np.zeros(slot.shape, self.dtype)
         _every_worker_gathers(strategy, self.name)
         gathered = strategy.gather(strategy.run(lambda: tf.identity(self.value)), axis=0)
         return gathered[:slot.size].numpy().reshape(slot.shape)
 
     def gathered(self) -> tf.Tensor:
         """The whole slot as a tensor, in cross-replica context inside a ``tf.function`` (every worker runs it)."""
+        if self._tfdist_slot.size == 0:  # as ``whole``
+            return tf.zeros(self._tfdist_slot.shape, self.dtype)
         whole = self._tfdist_strategy.gather(self.value, axis=0)
         return tf.reshape(whole[:self._tfdist_slot.size], self._tfdist_slot.shape)
 
