@@ -2,6 +2,7 @@
 multi-device iterator's input dataset outlives the iterator."""
 
 import subprocess
+import threading
 import sys
 
 import pytest
@@ -134,3 +135,31 @@ def test_an_iterator_a_function_captured_is_collected_while_it_fetches():
     run = subprocess.run([sys.executable, "-c", _CAPTURED_BY_A_FUNCTION], env=job_env(), capture_output=True,
                          text=True, timeout=300)
     assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+
+
+def test_an_input_set_aside_while_another_thread_drops_the_old_ones_stays():
+    """A handle's weak-reference callback runs in the thread deleting it (which frees the iterator after it, without
+    the GIL): a dataset it sets aside while another thread drops the old ones must not be dropped with them."""
+    from tfdist import tf_fixes
+
+    other = object()
+
+    class Arrives:  # an entry's time whose reading lets another thread's handle go meanwhile
+        def __rsub__(self, now):
+            tf_fixes._set_aside.append((-2, now, other))
+            return 0.0
+
+    saved = list(tf_fixes._set_aside)
+    tf_fixes._set_aside.clear()
+    try:
+        tf_fixes._set_aside.append((-1, Arrives(), "kept"))
+        tf_fixes._drop_set_aside()
+        assert {id(entry[2]) for entry in tf_fixes._set_aside} == {id("kept"), id(other)}
+        tf_fixes._set_aside.append((threading.get_ident(), 0.0, "mine"))
+        tf_fixes._set_aside.append((-3, -1e9, "old"))
+        tf_fixes._drop_set_aside()
+        assert "mine" not in [entry[2] for entry in tf_fixes._set_aside]
+        assert "old" not in [entry[2] for entry in tf_fixes._set_aside]
+    finally:
+        tf_fixes._set_aside.clear()
+        tf_fixes._set_aside.extend(saved)

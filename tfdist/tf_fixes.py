@@ -37,6 +37,7 @@ All three are installed with ``tfdist.runtime_hooks``.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 import weakref
@@ -142,13 +143,17 @@ class _Waiting:
 
 
 _waiting: set = set()
-_set_aside: list = []  # (thread, since, dataset): datasets whose iterator's last handle was being deleted
+# (thread, since, dataset): datasets whose iterator's last handle was being deleted. A deque: another thread's callback
+# may append while one drops the old entries, which go by popleft and the rest back by append (each atomic).
+_set_aside: collections.deque = collections.deque()
 
 
 def _drop_set_aside():
-    now, me = time.monotonic(), threading.get_ident()
-    keep = [entry for entry in list(_set_aside) if entry[0] != me and now - entry[1] < 60]
-    _set_aside[:] = keep
+    now, me, dropped = time.monotonic(), threading.get_ident(), []
+    for _ in range(len(_set_aside)):
+        entry = _set_aside.popleft()
+        (dropped if entry[0] == me or now - entry[1] >= 60 else _set_aside).append(entry)
+    del dropped  # the datasets go here, the deque whole again
 
 
 @multi_device_input.replaces(_Owned, "__init__", ("self", "dataset", "devices", "max_buffer_size",
