@@ -31,6 +31,10 @@ that it is released just after the iterator is destroyed, never before. A handle
 those owners (a custom loop's ``tf.function`` that uses an iterator from outside captures it,
 and lets it go when the function is collected): the dataset then waits for that handle, and is
 dropped by the next iterator the thread makes.
+Not covered: an iterator made inside a ``tf.function`` (its handles and input are the
+function's own tensors; on TensorFlow 2.21 one left while fetching crashes or hangs the process,
+with or without tfdist: tf.distribute advises against making iterators there) and the
+unowned ``tf.data.experimental.MultiDeviceIterator`` (tf.distribute's v1 input only).
 
 All three are installed with ``tfdist.runtime_hooks``.
 """
