@@ -163,3 +163,40 @@ def test_an_input_set_aside_while_another_thread_drops_the_old_ones_stays():
     finally:
         tf_fixes._set_aside.clear()
         tf_fixes._set_aside.extend(saved)
+
+
+# tf.nest with expand_composites rebuilds a distributed iterator from its components: new Python owners of the same
+# handles, made without the input dataset; the originals go first.
+_REBUILT_FROM_COMPONENTS = """
+import resource
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+import numpy as np, tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfdist  # installs the runtime hooks, tf_fixes among them
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+options = tf.data.Options()
+options.experimental_optimization.apply_default_optimizations = False
+data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(300_000))
+data = strategy.experimental_distribute_dataset(data.with_options(options))
+for _ in range(3):
+    iterator = iter(data)
+    next(iterator)
+    rebuilt = tf.nest.map_structure(lambda t: t, iterator, expand_composites=True)
+    assert rebuilt is not iterator
+    del iterator
+    next(rebuilt)
+    del rebuilt
+    print(".", end="", flush=True)
+print(" survived", flush=True)
+"""
+
+
+def test_an_iterator_rebuilt_from_its_components_is_dropped_while_it_fetches():
+    """The rebuilt iterator holds the handles after the original's owners are gone: the input dataset waits."""
+    from tests.jobs import job_env
+
+    run = subprocess.run([sys.executable, "-c", _REBUILT_FROM_COMPONENTS], env=job_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
