@@ -2,6 +2,7 @@
 multi-device iterator's input dataset outlives the iterator."""
 
 import subprocess
+import threading
 import sys
 
 import pytest
@@ -92,3 +93,110 @@ def test_without_the_fix_tensorflow_crashes(dropped_mid_fetch):
     tf_fixes.multi_device_input."""
     assert "unfixed False:" in dropped_mid_fetch.stdout, dropped_mid_fetch.stdout
     assert dropped_mid_fetch.returncode < 0, (dropped_mid_fetch.returncode, dropped_mid_fetch.stdout)
+
+
+# A custom training loop's tf.function that uses an iterator from outside captures its handles: the iterator's Python
+# owners go first, the handles (and the MultiDeviceIterator) only when the function is collected. Here a 300 ms sleep
+# ends the pipeline, so the collection falls while the thread waits for the batch the last call made room for.
+_CAPTURED_BY_A_FUNCTION = """
+import gc, resource, sys
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+import numpy as np, tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfdist  # installs the runtime hooks, tf_fixes among them
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+options = tf.data.Options()
+options.experimental_optimization.apply_default_optimizations = False
+data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(300_000))
+data = strategy.experimental_distribute_dataset(data.with_options(options))
+for _ in range(3):
+    iterator = iter(data)
+
+    @tf.function
+    def step():
+        return strategy.experimental_local_results(next(iterator))[0]
+
+    step()
+    del iterator
+    step()
+    del step
+    gc.collect()
+    print(".", end="", flush=True)
+print(" survived", flush=True)
+"""
+
+
+def test_an_iterator_a_function_captured_is_collected_while_it_fetches():
+    """The function holds the iterator's handles after its Python owners are gone: the input dataset waits for them."""
+    from tests.jobs import job_env
+
+    run = subprocess.run([sys.executable, "-c", _CAPTURED_BY_A_FUNCTION], env=job_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+
+
+def test_an_input_set_aside_while_another_thread_drops_the_old_ones_stays():
+    """A handle's weak-reference callback runs in the thread deleting it (which frees the iterator after it, without
+    the GIL): a dataset it sets aside while another thread drops the old ones must not be dropped with them."""
+    from tfdist import tf_fixes
+
+    other = object()
+
+    class Arrives:  # an entry's time whose reading lets another thread's handle go meanwhile
+        def __rsub__(self, now):
+            tf_fixes._set_aside.append((-2, now, other))
+            return 0.0
+
+    saved = list(tf_fixes._set_aside)
+    tf_fixes._set_aside.clear()
+    try:
+        tf_fixes._set_aside.append((-1, Arrives(), "kept"))
+        tf_fixes._drop_set_aside()
+        assert {id(entry[2]) for entry in tf_fixes._set_aside} == {id("kept"), id(other)}
+        tf_fixes._set_aside.append((threading.get_ident(), 0.0, "mine"))
+        tf_fixes._set_aside.append((-3, -1e9, "old"))
+        tf_fixes._drop_set_aside()
+        assert "mine" not in [entry[2] for entry in tf_fixes._set_aside]
+        assert "old" not in [entry[2] for entry in tf_fixes._set_aside]
+    finally:
+        tf_fixes._set_aside.clear()
+        tf_fixes._set_aside.extend(saved)
+
+
+# tf.nest with expand_composites rebuilds a distributed iterator from its components: new Python owners of the same
+# handles, made without the input dataset; the originals go first.
+_REBUILT_FROM_COMPONENTS = """
+import resource
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+import numpy as np, tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import tfdist  # installs the runtime hooks, tf_fixes among them
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+options = tf.data.Options()
+options.experimental_optimization.apply_default_optimizations = False
+data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(300_000))
+data = strategy.experimental_distribute_dataset(data.with_options(options))
+for _ in range(3):
+    iterator = iter(data)
+    next(iterator)
+    rebuilt = tf.nest.map_structure(lambda t: t, iterator, expand_composites=True)
+    assert rebuilt is not iterator
+    del iterator
+    next(rebuilt)
+    del rebuilt
+    print(".", end="", flush=True)
+print(" survived", flush=True)
+"""
+
+
+def test_an_iterator_rebuilt_from_its_components_is_dropped_while_it_fetches():
+    """The rebuilt iterator holds the handles after the original's owners are gone: the input dataset waits."""
+    from tests.jobs import job_env
+
+    run = subprocess.run([sys.executable, "-c", _REBUILT_FROM_COMPONENTS], env=job_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
