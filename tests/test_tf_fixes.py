@@ -44,8 +44,11 @@ def test_a_tensorflow_patch_names_tensorflow_when_it_cannot_apply():
 # Deletes tf.distribute iterators (MirroredStrategy, 2 CPU devices) just after their first batch, while their
 # MultiDeviceIterator's thread waits 50 ms for the next one (Keras' fit does so after its first batch, with a pipeline
 # that has not warmed up): first with tfdist's fix, then without it. Core dumps off: the second part crashes.
-_DROP_MID_FETCH = """
-import resource, sys
+def _slow_mirrored_input(sleep_us: int) -> str:
+    """A script's start: ``data``, a dataset distributed over 2 CPU devices whose every batch sleeps ``sleep_us``,
+    not rewritten by tf.data (as Keras' array adapter's); tfdist imported; core dumps off (a crash is expected)."""
+    return f"""
+import gc, resource, sys
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 import numpy as np, tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing
@@ -53,12 +56,23 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import tfdist  # installs the runtime hooks, tf_fixes among them
 from tfdist import tf_fixes
-patch = getattr(tf_fixes, "multi_device_input", None)  # None where tfdist has no such fix
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 options = tf.data.Options()
-options.experimental_optimization.apply_default_optimizations = False  # as Keras' array adapter: nothing rewritten
-data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(50_000))
+options.experimental_optimization.apply_default_optimizations = False
+data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep({sleep_us}))
 data = strategy.experimental_distribute_dataset(data.with_options(options))
+"""
+
+
+def _survives(script: str) -> None:
+    from tests.jobs import job_env
+
+    run = subprocess.run([sys.executable, "-c", script], env=job_env(), capture_output=True, text=True, timeout=300)
+    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+
+
+_DROP_MID_FETCH = _slow_mirrored_input(50_000) + """
+patch = getattr(tf_fixes, "multi_device_input", None)  # None where tfdist has no such fix
 for fixed, times in ((True, 10), (False, 20)):
     if not fixed and patch:
         patch.restore()
@@ -98,19 +112,7 @@ def test_without_the_fix_tensorflow_crashes(dropped_mid_fetch):
 # A custom training loop's tf.function that uses an iterator from outside captures its handles: the iterator's Python
 # owners go first, the handles (and the MultiDeviceIterator) only when the function is collected. Here a 300 ms sleep
 # ends the pipeline, so the collection falls while the thread waits for the batch the last call made room for.
-_CAPTURED_BY_A_FUNCTION = """
-import gc, resource, sys
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-import numpy as np, tensorflow as tf
-from tensorflow.python.data.experimental.ops import testing
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import tfdist  # installs the runtime hooks, tf_fixes among them
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-options = tf.data.Options()
-options.experimental_optimization.apply_default_optimizations = False
-data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(300_000))
-data = strategy.experimental_distribute_dataset(data.with_options(options))
+_CAPTURED_BY_A_FUNCTION = _slow_mirrored_input(300_000) + """
 for _ in range(3):
     iterator = iter(data)
 
@@ -130,11 +132,7 @@ print(" survived", flush=True)
 
 def test_an_iterator_a_function_captured_is_collected_while_it_fetches():
     """The function holds the iterator's handles after its Python owners are gone: the input dataset waits for them."""
-    from tests.jobs import job_env
-
-    run = subprocess.run([sys.executable, "-c", _CAPTURED_BY_A_FUNCTION], env=job_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+    _survives(_CAPTURED_BY_A_FUNCTION)
 
 
 def test_an_input_set_aside_while_another_thread_drops_the_old_ones_stays():
@@ -167,19 +165,7 @@ def test_an_input_set_aside_while_another_thread_drops_the_old_ones_stays():
 
 # tf.nest with expand_composites rebuilds a distributed iterator from its components: new Python owners of the same
 # handles, made without the input dataset; the originals go first.
-_REBUILT_FROM_COMPONENTS = """
-import resource
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-import numpy as np, tensorflow as tf
-from tensorflow.python.data.experimental.ops import testing
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import tfdist  # installs the runtime hooks, tf_fixes among them
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-options = tf.data.Options()
-options.experimental_optimization.apply_default_optimizations = False
-data = tf.data.Dataset.from_tensor_slices(np.zeros((64, 6), "float32")).batch(4).apply(testing.sleep(300_000))
-data = strategy.experimental_distribute_dataset(data.with_options(options))
+_REBUILT_FROM_COMPONENTS = _slow_mirrored_input(300_000) + """
 for _ in range(3):
     iterator = iter(data)
     next(iterator)
@@ -195,8 +181,4 @@ print(" survived", flush=True)
 
 def test_an_iterator_rebuilt_from_its_components_is_dropped_while_it_fetches():
     """The rebuilt iterator holds the handles after the original's owners are gone: the input dataset waits."""
-    from tests.jobs import job_env
-
-    run = subprocess.run([sys.executable, "-c", _REBUILT_FROM_COMPONENTS], env=job_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert "... survived" in run.stdout, (run.returncode, run.stdout, run.stderr[-3000:])
+    _survives(_REBUILT_FROM_COMPONENTS)
