@@ -69,8 +69,13 @@ def test_input_mode_says_whether_the_job_is_input_bound(tmp_path):
 def test_multi_worker_bench_profiles_the_step_under_the_launcher(tmp_path):
     stdout = bench("--source", "synthetic", "--strategy", "multi_worker", "--mode", "profile",
                    "--json", str(tmp_path / "mw.json"), launcher=("-n", "2", "--timeout", str(TIMEOUT)),
-                   env={"TFDIST_AUTOTUNE": "1", "TFDIST_AUTOTUNE_FILE": str(tmp_path / "autotune.json")})
+                   env={"TFDIST_AUTOTUNE": "1", "TFDIST_AUTOTUNE_FILE": str(tmp_path / "autotune.json"),
+                        "TF_CPP_MIN_LOG_LEVEL": "0"})  # TensorFlow's INFO lines say which worker ran the profiler
     assert "random tensors in memory" not in stdout  # the local orchestrator did not run
+    # Only the chief traces, the worker that reports: TensorFlow 2.21's profiler crashed the other worker at stop()
+    # now and then (this test failed so in about 1 run of 6; tfdist.bench.profile.traced_overlap says why)
+    assert re.search(r"^\[0\] .*Profiler session started", stdout, re.M)
+    assert not re.search(r"^\[1\] .*Profiler session", stdout, re.M)
     report = json.loads((tmp_path / "mw.json").read_text())
     assert report["runs"][0]["replicas"] == 2 and report["runs"][0]["strategy"] == "CollectiveAllReduceStrategy"
     assert stdout.count("wrote ") == 1  # only the chief reports

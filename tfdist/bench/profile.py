@@ -9,8 +9,8 @@ Four figures per step, each measured on its own in the same worker processes:
   the one small all-reduce of the logged values Keras makes every step;
 * ``input_ms``: fetching one batch from the input pipeline alone (0 for synthetic data);
 * ``hidden_ms`` and ``exposed_ms`` (several replicas): from a profiler trace of a few
-  training steps, the collective time per step that ran under compute (hidden by the
-  overlap of gradient buckets with the backward pass) and alone (exposed: waited for).
+  training steps on the chief, the collective time per step that ran under compute (hidden
+  by the overlap of gradient buckets with the backward pass) and alone (exposed: waited for).
   See ``tfdist.bench.trace``.
 
 ``other_ms`` is what is left: dispatch, waiting for the slowest worker, copies. Input
@@ -26,6 +26,7 @@ import time
 
 import tensorflow as tf
 
+from tfdist import collectives
 from tfdist.bench import trace
 from tfdist.bench.config import JsonRecord
 
@@ -96,8 +97,23 @@ def input_ms(records_per_sec: float | None, batch_per_worker: int) -> float:
 
 
 
-def traced_overlap(model, dataset, steps: int) -> trace.CollectiveOverlap:
-    """Per-step hidden and exposed collective time of ``steps`` more ``fit`` steps, from a profiler trace."""
+def traced_overlap(model, dataset, steps: int) -> trace.CollectiveOverlap | None:
+    """Per-step hidden and exposed collective time of ``steps`` more ``fit`` steps, from a profiler trace.
+
+    Only the chief (worker 0, the collectives' group leader) traces; it alone reports. The other
+    workers of a multi-worker strategy run the same steps untraced, for their collectives to meet the
+    chief's, and return None: TensorFlow 2.21's profiler crashes them at ``stop()`` now and then (8 of
+    90 traces of 2 to 16 steps on 2 cores). On such a worker each collective's
+    ``CollectiveExecutor::CompleteParams`` activity starts on a collective_ops thread and ends on a
+    gRPC thread. ``TraceMeRecorder::Consume`` keeps a pointer to each end it reads before the start,
+    into the ending thread's list of events, which it moves into a growing vector; the vector's growth
+    copies the lists and frees the old ones, and the pass that joins starts to ends then writes through
+    those pointers into freed memory (SIGSEGV, or a glibc abort such as "double free or corruption").
+    On the chief every activity ends on the thread that started it.
+    """
+    if collectives.worker_rank(model.distribute_strategy) != 0:
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        return None
     logdir = tempfile.mkdtemp(prefix="tfdist-trace-")
     try:
         tf.profiler.experimental.start(logdir)
