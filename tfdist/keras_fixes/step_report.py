@@ -34,6 +34,7 @@ patch = Patch(
 _KEY = "tfdist/report/"  # + "fit/<rank>" and "epochs/<rank>": one key a worker, each holding its latest
 COLLECT_S = 10.0  # how long worker 0 waits at a fit's end for a worker's medians
 _EPOCHS_KEPT = 4  # epochs a worker's "epochs" key holds: worker 0 writes a late one at a later epoch's end
+_GLANCE_MS = 1  # an epoch end's read of a peer's epochs, not waiting for them (a late one is written later)
 _fits = 0  # multi-worker fits so far in this process: the same count on every worker
 
 
@@ -79,7 +80,7 @@ def _per_worker_scalars(original, self, epoch, logs=None):
         del epochs[old]
     kvstore.put(f"{_KEY}epochs/{rank}", json.dumps({"fit": fit, "epochs": epochs}))
     if rank == 0:
-        _write_scalars(self, size, deadline=time.monotonic())
+        _write_scalars(self, size, deadline=time.monotonic(), read_ms=_GLANCE_MS)
 
 
 @patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
@@ -110,21 +111,24 @@ def _gather_fit(callbacks: CallbackList, fit: int, rank: int, size: int) -> list
         value = _of_this_fit(f"{_KEY}fit/{peer}", fit, deadline)
         if value and value["summary"]:
             found.append(stragglers.Summary(**value["summary"]))
-    _write_scalars(callbacks, size, deadline=time.monotonic())  # a worker's last epoch: published by now
+    # A worker's last epoch is published by now: read it with the time a store needs to answer on a loaded machine
+    # (a 1 ms read of a key that is there misses a few in a hundred beside two busy processes).
+    _write_scalars(callbacks, size, deadline=time.monotonic(), read_ms=kvstore.TIMEOUT_MS)
     return stragglers.report(found, size, "fit")
 
 
-def _of_this_fit(key: str, fit: int, deadline: float) -> dict | None:
-    """The value of a worker's ``key`` once it is about ``fit`` (None at ``deadline``; one read when it has passed)."""
+def _of_this_fit(key: str, fit: int, deadline: float, read_ms: int = kvstore.TIMEOUT_MS) -> dict | None:
+    """The value of a worker's ``key`` once it is about ``fit`` (None at ``deadline``; one read of up to ``read_ms``
+    when it has passed)."""
     while True:
-        value = kvstore.get(key, 1) if time.monotonic() >= deadline else kvstore.wait_for(key, deadline)
+        value = kvstore.get(key, read_ms) if time.monotonic() >= deadline else kvstore.wait_for(key, deadline)
         decoded = json.loads(value) if value else None
         if (decoded and decoded["fit"] == fit) or time.monotonic() >= deadline:
             return decoded if decoded and decoded["fit"] == fit else None
         time.sleep(0.05)  # an earlier fit's value: the worker has not published this one yet
 
 
-def _write_scalars(callbacks: CallbackList, size: int, deadline: float) -> None:
+def _write_scalars(callbacks: CallbackList, size: int, deadline: float, read_ms: int) -> None:
     """On worker 0 with a TensorBoard: each worker's epoch medians it has not written yet, as scalars."""
     boards = [c for c in callbacks.callbacks if isinstance(c, TensorBoard)]
     writer = getattr(boards[0], "_train_writer", None) if boards else None
@@ -133,7 +137,7 @@ def _write_scalars(callbacks: CallbackList, size: int, deadline: float) -> None:
     written = callbacks._tfdist_written
     with writer.as_default():
         for peer in range(size):
-            value = _of_this_fit(f"{_KEY}epochs/{peer}", callbacks._tfdist_fit, deadline)
+            value = _of_this_fit(f"{_KEY}epochs/{peer}", callbacks._tfdist_fit, deadline, read_ms)
             for epoch, summary in (value["epochs"] if value else {}).items():
                 if summary is None or (peer, epoch) in written:
                     continue
