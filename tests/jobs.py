@@ -28,13 +28,18 @@ class JobResult:
         return self
 
 
-def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+SHIELD = REPO / "tests" / "shield"
+
+
+def job_env(extra: dict[str, str] | None = None, shield: bool = True) -> dict[str, str]:
     """The environment for a job: the test tree first on PYTHONPATH (for ``tests.*``), quiet TensorFlow logs.
 
     Under ``bash tests/run.sh`` that tree holds no tfdist sources: workers import the installed package.
+    With ``shield``, the job imports TensorFlow and Keras without jax, pandas and matplotlib (tests/shield).
     """
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    path = [str(SHIELD)] * shield + [str(REPO), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path).rstrip(os.pathsep)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra or {})
     return env

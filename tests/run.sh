@@ -7,8 +7,8 @@
 # Arguments go to pytest: bash tests/run.sh -k doctor
 # TFDIST_TEST_WORKERS=N runs the tests on N pytest-xdist workers, each taking whole test modules (so a module's
 # shared cluster or strategy stays one); a crashed worker fails the run at once instead of being replaced. The
-# default, 0, runs them in one process: on 2 cores N=2 took 37 min instead of about 46, but one of its runs
-# crashed in TensorFlow (README, Tests).
+# default, 0, runs them in one process: on 2 cores N=2 took 37 min instead of about 46; one of its first runs
+# crashed in TensorFlow, a bug tfdist now avoids (README, Tests: tf_fixes.multi_device_input).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"

@@ -20,7 +20,8 @@ def bench(*args, launcher=(), env=None):
     """Runs `tfdist bench` (under `tfdist run LAUNCHER` when given); returns its stdout."""
     cli = [sys.executable, "-m", "tfdist.cli", "bench", *TINY, *args]
     command = [sys.executable, "-m", "tfdist.run", *launcher, "--", *cli] if launcher else cli
-    result = subprocess.run(command, env=job_env(env), capture_output=True, text=True, timeout=TIMEOUT)
+    result = subprocess.run(command, env=job_env(env, shield="--plot" not in args), capture_output=True, text=True,
+                            timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
 

@@ -22,7 +22,7 @@ def test_every_keras_fix_runs_in_a_users_fit(tmp_path, restore_dtype_policy):
     """A mixed-precision fit under 2 mirrored replicas, K=2 steps per call, moving averages (sharded), Keras' file,
     early-stopping and EMA-swapping callbacks, then evaluate and predict, and an async checkpoint: every replaced
     internal is called."""
-    patches = [*keras_fixes.PATCHES, tf_fixes.patch]
+    patches = [*keras_fixes.PATCHES, tf_fixes.patch, tf_fixes.multi_device_input]
     patches = [p for p in patches if not p.name.startswith("keras_distribution")]  # test_keras_distribution's
     for _, replacement in replacements(patches):
         replacement.calls = 0

@@ -455,3 +455,19 @@ def test_a_manager_saves_again_after_its_directory_was_removed(tmp_path):
     shutil.rmtree(tmp_path / "backup")
     model.fit(X, Y, batch_size=12, epochs=1, verbose=0)
     assert manager.save(model) == manager.latest == str(tmp_path / "backup" / "step-4")
+
+
+def test_fits_preemption_hint_names_the_managers_the_process_made(tmp_path, monkeypatch):
+    """Without BackupAndRestore, fit's start hint says nothing is saved at a stop, unless a CheckpointManager exists:
+    then what it saved before the stop is kept, and the hint says so and names its directory."""
+    from tfdist.checkpoint import manager as manager_lib
+    from tfdist.keras_fixes import preemption as preemption_fix
+
+    monkeypatch.setattr(manager_lib, "_directories", [])
+    assert "stops at an agreed step but nothing is saved; add BackupAndRestore(DIR)" in preemption_fix._no_backup_hint()
+    directory = str(tmp_path / "ckpt")
+    tfdist.CheckpointManager(directory)
+    hint = preemption_fix._no_backup_hint()
+    assert "nothing is saved" not in hint
+    assert f"only what tfdist.CheckpointManager({directory!r}) saved before it is kept" in hint
+    assert "the steps since its last save are lost" in hint and "add BackupAndRestore(DIR)" in hint

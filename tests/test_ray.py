@@ -22,7 +22,7 @@ def run_ray(*args, env=None, timeout=TIMEOUT):
 
 
 def ray_env():
-    env = job_env()
+    env = job_env(shield=False)
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -60,7 +60,7 @@ def test_tensorflow_trainer_runs_a_tfdist_training_function(ray_cluster, tmp_pat
     import keras
 
     driver = subprocess.run([sys.executable, str(WORKERS / "ray_trainer_job.py"), str(tmp_path), ray_cluster],
-                            env=job_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                            env=job_env(shield=False), capture_output=True, text=True, timeout=TIMEOUT)
     assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-5000:]
     workers = [json.loads((tmp_path / f"worker{rank}.json").read_text()) for rank in (0, 1)]
     assert [json.loads(w["tf_config"])["task"]["index"] for w in workers] == [0, 1]  # Ray's TF_CONFIG
@@ -147,7 +147,7 @@ def test_rays_own_example_with_one_line_changed_keeps_only_whole_checkpoints(ray
 
     epochs = 9  # unpatched, about 1 checkpoint in 3 was a corrupt zip; one run: Ray starts its workers once
     driver = subprocess.run([sys.executable, str(WORKERS / "ray_example_driver.py"), str(tmp_path), ray_cluster,
-                             str(epochs)], env=job_env(), capture_output=True, text=True, timeout=2 * TIMEOUT)
+                             str(epochs)], env=job_env(shield=False), capture_output=True, text=True, timeout=2 * TIMEOUT)
     assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-5000:]
     kept = json.loads((tmp_path / "result.json").read_text())["checkpoints"]
     assert len(kept) == epochs  # one per epoch

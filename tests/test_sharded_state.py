@@ -120,6 +120,26 @@ def test_a_weight_whose_size_does_not_divide_pads_its_last_shard():
     assert {replica_values(v)[0].shape for v in two.optimizer.variables} >= {(18,), (4,), (11,), (2,)}
 
 
+def test_a_sharded_step_all_reduces_each_replicas_shard_of_the_gradients_never_a_whole_one(monkeypatch):
+    """Each replica's shard row is summed on its own (the sums a replica does not keep are dropped as they come):
+    no all-reduce holds a whole gradient, and still one device's weights."""
+    from tensorflow.python.distribute import cross_device_utils
+
+    sizes = []
+    original = cross_device_utils.CollectiveReplicaLauncher.all_reduce
+
+    def all_reduce(self, input_tensor, *args, **kwargs):
+        sizes.append(input_tensor.shape.num_elements())
+        return original(self, input_tensor, *args, **kwargs)
+
+    monkeypatch.setattr(cross_device_utils.CollectiveReplicaLauncher, "all_reduce", all_reduce)
+    one = train(OPTIMIZERS["nadam"], 1)
+    two = train(OPTIMIZERS["nadam"], 2)
+    assert_trains_as_one_device(one, two)
+    shards = sum(-(-int(np.prod(v.shape)) // 2) for v in two.trainable_variables)  # one row: 106 of 212 elements
+    assert sizes and max(sizes) <= shards, sizes
+
+
 def test_mixed_float16_sharded_equals_unsharded_on_the_same_replicas():
     """Loss scaling wraps the sharded optimizer; the shards' update is the whole update's, bit for bit."""
     whole = train(lambda: keras.optimizers.Adam(0.01), 2, shard=False, policy="mixed_float16")
@@ -315,3 +335,122 @@ def test_tfdists_callbacks_broadcast_and_correct_momentum_without_touching_the_s
     two.fit(X, Y, batch_size=GLOBAL, epochs=3, shuffle=False, verbose=0, callbacks=callbacks())
     assert sharded_state.is_sharded(two.optimizer)
     assert_trains_as_one_device(one, two)
+
+
+@pytest.mark.parametrize("shard, clipnorm, tuned", [(False, None, True), (True, None, False), (True, 1.0, True)])
+def test_autotune_leaves_alone_a_sharded_step_that_sums_shard_rows_in_no_bucket(monkeypatch, shard, clipnorm, tuned):
+    """A multi-worker fit tunes the gradient buckets (TFDIST_AUTOTUNE=1): a sharded step that sums shard rows uses
+    no bucket, so its candidates are one function timed for nothing, whose "choice" an unsharded run of the same
+    model and hosts would apply from the record file. Clipping sums the gradients whole, in buckets: tuned."""
+    from tfdist import autotune, process_group
+    from tfdist.keras_fixes import autotune_fit
+
+    monkeypatch.setattr(autotune, "_switch", True)
+    monkeypatch.setattr(process_group, "is_multi_worker", lambda strategy: True)  # 2 workers, as the tuner sees them
+    monkeypatch.setattr(process_group, "for_strategy", lambda strategy: type("Group", (), {"rank": 0})())
+    monkeypatch.setattr(autotune_fit, "_the_chief_tunes", lambda group: True)
+    monkeypatch.setattr(autotune_fit, "_hosts", lambda strategy: ["127.0.0.1", "127.0.0.1"])
+    monkeypatch.setattr(autotune_fit, "_recorded", lambda group, key: None)
+    with tfdist.scope("mirrored", devices="CPU:[0-1]", shard_optimizer_state=shard):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024), keras.layers.Dense(512),
+                                  keras.layers.Dense(10)])
+        model.compile(keras.optimizers.Adam(0.01, clipnorm=clipnorm), "mse")
+        model.optimizer.build(model.trainable_variables)
+    assert len(autotune.candidates(*autotune_fit._gradients(model))) > 1
+    model.make_train_function(force=True)
+    assert isinstance(model.train_function, autotune.Tuner) is tuned
+
+
+ZERO_SIZE_SCRIPT = r"""
+import sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+import keras, numpy as np, tfdist
+
+class Empty(keras.layers.Layer):  # a weight of no elements (a float64 group of its own)
+    def build(self, shape):
+        self.e = self.add_weight(shape=(0,), initializer="zeros", name="e", dtype="float64")
+    def call(self, x):
+        return x + tf.cast(tf.reduce_sum(self.e), x.dtype)
+
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(48, 8)).astype("float32"), rng.normal(size=(48, 3)).astype("float32")
+def build():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3), Empty()])
+    model.compile(keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2), "mse")
+    return model
+one = build()
+one.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+with tfdist.scope("mirrored", devices="CPU:[0-2]", shard_optimizer_state=True):
+    three = build()
+three.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+for got, want in zip(three.get_weights(), one.get_weights()):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+for got, want in zip(three.optimizer.variables, one.optimizer.variables):  # whole slots, gathered
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+three.save_weights(sys.argv[1])  # Keras' file, whole slots
+again = build()
+again.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)  # builds the optimizer
+again.load_weights(sys.argv[1])
+for got, want in zip(again.optimizer.variables, one.optimizer.variables):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+print("trained as one device")
+"""
+
+
+def test_a_weight_of_no_elements_trains_and_reads_whole_without_a_collective_that_crashes(tmp_path):
+    """TensorFlow's all-gather of no elements kills the process (a segfault, in 2.21): a sharded weight of size 0
+    (and its slots) is gathered without one. In a process of its own, so a crash fails only this test."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ZERO_SIZE_SCRIPT, str(tmp_path / "zero.weights.h5")], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0 and "trained as one device" in done.stdout, (done.returncode, done.stderr[-3000:])
+
+
+class _ScaledWithAnIdleWeight(keras.layers.Layer):
+    """A scalar weight (1 element on 3 replicas: two padding zeros) and a weight no loss reaches (no gradient)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+        self.idle = self.add_weight(shape=(5,), initializer="ones", name="idle")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def test_shard_rows_of_odd_weights_train_as_one_device_over_partial_batches_and_a_second_fit():
+    """Summed by shard rows on 3 replicas: an Embedding's sparse gradient, a float64 layer (a group of its own),
+    sizes that do not divide by 3, a scalar, a frozen layer and a weight with no gradient; 50 examples in batches
+    of 16 (the last split 1/1/0: the examples' count summed in one more all-reduce), 3 steps per execution, then
+    a second fit of batches of 12 (a retrace)."""
+    rng_ = np.random.default_rng(0)
+    features, tokens = rng_.normal(size=(50, 8)).astype("float32"), rng_.integers(0, 10, size=(50, 4)).astype("int32")
+    targets = rng_.normal(size=(50, 3)).astype("float32")
+
+    def build():
+        keras.utils.set_random_seed(1)
+        f, t = keras.Input((8,)), keras.Input((4,), dtype="int32")
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 3)(t))
+        wide = keras.layers.Dense(7)(keras.layers.Dense(5, dtype="float64")(f))
+        frozen = keras.layers.Dense(4, trainable=False)(f)
+        out = _ScaledWithAnIdleWeight()(keras.layers.Dense(3)(keras.layers.Concatenate()([embedded, wide, frozen])))
+        model = keras.Model([f, t], out)
+        model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.1), "mse", steps_per_execution=3)
+        return model
+
+    def fit(model):
+        model.fit([features, tokens], targets, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        model.fit([features, tokens], targets, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    one = fit(build())
+    with tfdist.scope("mirrored", devices="CPU:[0-2]", shard_optimizer_state=True):
+        three = build()
+    assert_trains_as_one_device(one, fit(three))
+    assert sharded_state.sums_shard_rows(three.optimizer)

@@ -75,6 +75,7 @@ def install() -> None:
     """Installs the patches (idempotent); the runtime-start one only if the runtime has not started."""
     tf_fixes.patch.apply()
     tf_fixes.input_clock.apply()
+    tf_fixes.multi_device_input.apply()
     one_multi_worker.apply()
     mirrored_warning.apply()
     watchdog.on_start(step_marks.apply)

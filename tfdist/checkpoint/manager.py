@@ -40,6 +40,7 @@ _ATTEMPT = "TFDIST_RESTART"
 _managers = [0]  # managers of this process that began saving: the n-th is one manager on every worker
 _restores = [0]  # restores of this process under several workers: the n-th is one restore on every worker
 _savers: list[CheckpointManager] = []  # the managers of this process that began a save
+_directories: list[str] = []  # the directories of the managers this process made
 
 
 class CheckpointManager:
@@ -70,6 +71,7 @@ class CheckpointManager:
         self._claimed = False  # whether a commit of this manager claimed the directory (store.claim)
         self._last_save: tuple[int, str] | None = None  # (step, path) of the last save it began
         kvstore.before_leaving(self._leave)  # a job that leaves together still commits
+        _directories.append(self.directory)
         atexit.register(self._report_unwaited)  # runs once Python joined the write
 
     @property
@@ -222,6 +224,11 @@ class CheckpointManager:
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
+
+
+def directories() -> list[str]:
+    """The directories of the CheckpointManagers this process made, in order (what fit's preemption hint names)."""
+    return list(_directories)
 
 
 def committed_saves() -> list[tuple[int, str]]:

@@ -5,6 +5,7 @@ Keras builds one train function per ``fit`` (``make_train_function``) and calls
 this model's gradients on these workers, that attribute is an ``autotune.Tuner``: each
 candidate setting gets its own train function (each traced once), the tuner times them in
 turn, and once it settles ``model.train_function`` is the chosen function itself. Not for
+a sharded optimizer whose step sums shard rows of the gradients in no bucket (``sharded_state.sums_shard_rows``), nor
 custom training loops (their ``tf.function`` is yours, traced once) nor ``tfdist.horovod``:
 they keep the default buckets, or the setting autotune chose earlier in the process.
 """
@@ -18,7 +19,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 
 from tfdist import autotune, buckets, process_group
-from tfdist.keras_fixes import steps_per_execution
+from tfdist.keras_fixes import sharded_state, steps_per_execution
 from tfdist.patching import Patch
 
 patch = Patch(
@@ -34,6 +35,10 @@ def _tuned_train_function(original, self, force=False):
     result = original(self, force=True)
     strategy = self.distribute_strategy
     if self.run_eagerly or not process_group.is_multi_worker(strategy):
+        return result
+    if sharded_state.sums_shard_rows(self.optimizer):
+        # Its step sums shard rows, in no bucket: every candidate would be the same function, timed for nothing,
+        # and its "choice" recorded under a key an unsharded run of this model would apply.
         return result
     group = process_group.for_strategy(strategy)
     if not _the_chief_tunes(group):

@@ -25,7 +25,8 @@ A ``fit`` of a model outside the job's strategy (a probe on one worker, a ``fit`
 callback) is a local session: it takes no stop signal and no number.
 
 ``fit`` on several workers without BackupAndRestore says once, where a preemption is likely
-(under SLURM or Kubernetes), that nothing would be saved. Preempted without it, the message names
+(under SLURM or Kubernetes), that nothing would be saved at the stop (or only what a
+``tfdist.CheckpointManager`` of the process saved before it). Preempted without it, the message names
 what a ``tfdist.CheckpointManager`` saved (committed first), or the steps lost. After a restore,
 EarlyStopping's and ReduceLROnPlateau's counters go on from the backup
 (``tfdist.keras_fixes.callback_state``): as they were when it saved (Keras runs callbacks in list
@@ -91,9 +92,19 @@ def _arm(original, self, logs=None):
             any(name in os.environ for name in _SCHEDULER_VARIABLES) and preemption.in_fit() and \
             _several_workers(self._model):
         _hinted = True
-        print("tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), "
-              "every worker stops at an agreed step but nothing is saved; add BackupAndRestore(DIR) to the "
-              "callbacks to resume there (docs/preemption.md).", file=sys.stderr, flush=True)
+        print(_no_backup_hint(), file=sys.stderr, flush=True)
+
+
+def _no_backup_hint() -> str:
+    """What fit says at start where a scheduler may preempt it and no BackupAndRestore would save at the stop."""
+    head = "tfdist: fit has no keras.callbacks.BackupAndRestore: if this job is preempted (a stop signal), every worker"
+    fix = "add BackupAndRestore(DIR) to the callbacks to save at the stop and resume there (docs/preemption.md)."
+    managers = checkpoint_manager.directories()
+    if not managers:
+        return f"{head} stops at an agreed step but nothing is saved; {fix}"
+    named = ", ".join(repr(directory) for directory in managers)
+    return (f"{head} stops at an agreed step and only what tfdist.CheckpointManager({named}) saved before it is "
+            f"kept: the steps since its last save are lost (unless a callback of yours saves at that step); {fix}")
 
 
 @patch.replaces(CallbackList, "on_train_batch_end", ("self", "batch", "logs"))

@@ -8,9 +8,12 @@ built under a strategy of N > 1 replicas (local devices or workers) shards its s
   RMSprop's averages, Adagrad's and Ftrl's accumulators) is a per-replica variable of
   ``ceil(size / N)`` elements: replica r holds elements ``[r*s, (r+1)*s)`` of the flattened weight
   (the last shard padded with zeros);
-* a step: the gradients are all-reduced as before (in buckets, then clipped if asked: exact on the
-  sums; weight decay acts on the whole weights first, as Keras does); each replica slices its shard of
-  each gradient and of each weight, runs the optimizer's own ``update_step`` on them (the weight's
+* a step: the gradients are summed over the replicas one shard row at a time, in the groups of the
+  gather below, last layers first (``_reduced_shards``: each replica keeps its own row's sum, so no
+  summed gradient is ever whole), or, where the sums must be whole (clipping, a loss scale's finite
+  check: exact on the sums), all-reduced as before in buckets and sliced; weight decay acts on the
+  whole weights first, as Keras does; each replica takes its shard of
+  each weight, runs the optimizer's own ``update_step`` on them (the weight's
   shard is a tensor assigned functionally, ``_Shard``: no variable holds it), and the updated shards
   are all-gathered, a group of weights of up to ``GATHER_BYTES`` at a time, into every replica's copy
   of each weight, so every copy stays bit-identical;
@@ -45,8 +48,10 @@ from keras.src.callbacks.swap_ema_weights import SwapEMAWeights
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
 
-from tfdist import kvstore, process_group, replica_collectives, save_rounds, sharding
+from tfdist import buckets, kvstore, process_group, replica_collectives, save_rounds, sharding, step_clock
+from tfdist import compression as compression_lib
 from tfdist.errors import ShardingError
+from tfdist.keras_fixes import batch_shares, gradient_buckets
 from tfdist.keras_fixes.signatures import FIT_PARAMETERS
 from tfdist.patching import Patch
 
@@ -201,10 +206,12 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
         return original(self, grads, trainable_variables, learning_rate)
     context = _replica_context(self, layout)
     trainable_variables = [v.value if isinstance(v, backend.Variable) else v for v in trainable_variables]
-    reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
     replica = context.replica_id_in_sync_group
-    gradients = [_my_shard(g, replica, layout, v.shape)  # sliced as they come: the sums are freed
-                 for g, v in zip(reduced, trainable_variables)]
+    gradients = _reduced_shards(self, context, grads, trainable_variables, layout)
+    if gradients is None:
+        reduced = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, trainable_variables)))]
+        gradients = [_my_shard(g, replica, layout, v.shape)  # sliced as they come: the sums are freed
+                     for g, v in zip(reduced, trainable_variables)]
     written = list(gradients)
     # Last layers first, as their gradients are reduced (tfdist.buckets). A group is sliced, updated,
     # gathered and written after the previous one is written: a step holds one group's shards and
@@ -219,6 +226,82 @@ def _update_shards(original, self, grads, trainable_variables, learning_rate):
                 self.update_step(gradients[i], shard, learning_rate)
                 shards.append(shard.value)
             written = _gather_into_weights(context, shards, [trainable_variables[i] for i in group], layout)
+
+
+def _reduced_shards(optimizer, context, grads, variables, layout: _Layout) -> list | None:
+    """This replica's shard of each summed gradient, summed shard by shard; None where the whole sums are needed.
+
+    Each group of ``_gather_groups`` (last layers first, as the backward pass makes them) is laid out as one row
+    per replica's shard (``_rows_of``), and each row is all-reduced on its own: a replica keeps the sum of its
+    own row and drops the others' as each arrives. An all-reduce of the whole gradient held its input, its output
+    and the ring's pieces at once, for every weight in flight: the step's peak of tensor bytes, higher by the
+    same amount with or without sharding (on 2 x Dense(4096) under Adam, 2 workers: 128 MB of a 578 MB peak).
+    Each element is summed over the replicas as before (on 2 replicas, the same sum; the order of a ring's
+    additions on more depends on where an element falls in the tensor, as it did on the buckets' packing).
+    A count that weighs the sums (``batch_shares``) is summed in one more float all-reduce.
+
+    None (the whole sums, then sliced) eagerly, under cross-device ops other than collectives, when the
+    gradients are sums already (a LossScaleOptimizer's finite check, clipping), when the optimizer all-reduces
+    in a way of its own (``DistributedOptimizer(compression=...)``), or when this replica's index is not known
+    when tracing.
+    """
+    launch = replica_collectives.launcher(grads[0]) if grads else None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    if launch is None or replica is None or gradient_buckets.already_reduced(optimizer) or _own_wire(optimizer):
+        return None
+    ops, options = launch
+    launcher = ops._launchers[context._replica_id]
+    count = batch_shares.count_to_reduce()
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    shards: list = [None] * len(grads)
+
+    def reduce_groups(on_ready, on_reduced):
+        summed = []
+        for b, group in enumerate(reversed(_gather_groups(variables, layout))):
+            tensors = on_ready(b, [grads[i] for i in group], sum(buckets.nbytes(grads[i]) for i in group))
+            rows = [_rows_of(t, layout, variables[i].shape) for t, i in zip(tensors, group)]
+            matrix = rows[0] if len(rows) == 1 else tf.concat(rows, axis=1)
+            mine = [launcher.all_reduce(matrix[k], options=options) for k in range(layout.replicas)][int(replica)]
+            pieces = [mine] if len(rows) == 1 else tf.split(mine, [int(r.shape[1]) for r in rows])
+            pieces = on_reduced(b, pieces)
+            for i, piece in zip(group, pieces):
+                shards[i] = piece
+            summed += pieces
+        return summed
+
+    step_clock.buckets_timed(grads, reduce_groups)  # the step's times (tfdist.step_clock)
+    if count is None:
+        return shards
+    dtype = next((s.dtype for s in shards if s.dtype in (tf.float32, tf.float64)), tf.float32)
+    total = launcher.all_reduce(tf.cast(count, dtype), options=options)
+    return [tf.math.divide_no_nan(s, tf.cast(total, s.dtype)) for s in shards]
+
+
+def _own_wire(optimizer) -> bool:
+    """Whether ``optimizer`` all-reduces its gradients in a way of its own (``DistributedOptimizer(compression=...)``)."""
+    return (type(optimizer)._all_reduce_sum_gradients is not TFOptimizer._all_reduce_sum_gradients
+            and getattr(optimizer, "compression", None) is not compression_lib.Compression.none)
+
+
+def sums_shard_rows(optimizer) -> bool:
+    """Whether a step of ``optimizer`` (built) under a collective strategy sums the gradients by shard rows
+    (``_reduced_shards``), so the gradient buckets' setting plays no part in it (``tfdist.autotune`` has nothing
+    to tune). False where the sums are whole, in buckets: a loss scale's finite check, clipping, a wire of the
+    optimizer's own."""
+    if isinstance(optimizer, optimizers.LossScaleOptimizer) or not is_sharded(optimizer):
+        return False
+    clips = any(value and value > 0 for value in (optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
+    return not clips and not _own_wire(optimizer)
+
+
+def _rows_of(tensor, layout: _Layout, shape) -> tf.Tensor:
+    """``tensor`` (of a weight's ``shape``) flattened, padded with zeros and cut into one row per replica's shard."""
+    size = int(np.prod(shape, dtype=np.int64))
+    shard = layout.shard_size(size)
+    flat = tf.reshape(tensor, [size])
+    if shard * layout.replicas != size:
+        flat = tf.pad(flat, [[0, shard * layout.replicas - size]])
+    return tf.reshape(flat, [layout.replicas, shard])
 
 
 def _replica_context(optimizer, layout: _Layout):
@@ -347,8 +430,11 @@ def _gather_equal_shards(context, shard: tf.Tensor) -> tf.Tensor:
     TensorFlow launches its replica-context all-reduce for XLA: ``ReplicaContext.all_gather`` (a merge_call)
     allows shards of unequal lengths by gathering them padded, then slicing and concatenating, which holds
     about three copies of the weight at once (on 2 x Dense(4096) under Adam, 2 workers, it cost a third of the
-    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``.
+    memory sharding saves). Eagerly or under other cross-device ops: ``all_gather``. Shards of no elements (a
+    weight of size 0) are not gathered: TensorFlow's all-gather of no elements kills the process (2.21).
     """
+    if shard.shape.num_elements() == 0:
+        return tf.zeros([0], shard.dtype)
     launch = replica_collectives.launcher(shard)
     if launch is None:
         return context.all_gather(shard, axis=0)
@@ -372,12 +458,16 @@ class _ShardSlot(backend.Variable):
     def whole(self) -> np.ndarray:
         """The whole slot, in the reference weight's shape (a collective under several workers)."""
         strategy, slot = self._tfdist_strategy, self._tfdist_slot
+        if slot.size == 0:  # nothing to gather (TensorFlow's all-gather of no elements kills the process)
+            return np.zeros(slot.shape, self.dtype)
         _every_worker_gathers(strategy, self.name)
         gathered = strategy.gather(strategy.run(lambda: tf.identity(self.value)), axis=0)
         return gathered[:slot.size].numpy().reshape(slot.shape)
 
     def gathered(self) -> tf.Tensor:
         """The whole slot as a tensor, in cross-replica context inside a ``tf.function`` (every worker runs it)."""
+        if self._tfdist_slot.size == 0:  # as ``whole``
+            return tf.zeros(self._tfdist_slot.shape, self.dtype)
         whole = self._tfdist_strategy.gather(self.value, axis=0)
         return tf.reshape(whole[:self._tfdist_slot.size], self._tfdist_slot.shape)
 

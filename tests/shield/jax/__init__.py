@@ -1,0 +1,3 @@
+"""Not jax: the test suite's worker processes import TensorFlow and Keras without it (tests/shield/README.md)."""
+
+raise ImportError("jax is kept out of tfdist's test worker processes (tests/shield: jobs.job_env(shield=False) lets it in)")
