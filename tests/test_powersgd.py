@@ -55,6 +55,13 @@ def assert_bit_equal_everywhere(strategy, variables):
 
 def apply_steps(strategy, optimizer, variables, tables, steps):
     """``steps`` updates; replica r's gradient of variable i at step s is ``tables[i][s, r]``."""
+    step = step_function(strategy, optimizer, variables, tables)
+    for _ in range(steps):
+        step()
+
+
+def step_function(strategy, optimizer, variables, tables):
+    """The ``tf.function`` of one ``apply_steps`` update (each call the next step of ``tables``)."""
     constants = [tf.constant(t) for t in tables]
     step_index = tf.Variable(0)
 
@@ -67,8 +74,26 @@ def apply_steps(strategy, optimizer, variables, tables, steps):
         strategy.run(on_replica)
         step_index.assign_add(1)
 
-    for _ in range(steps):
-        step()
+    return step
+
+
+def collectives_by_device(function) -> dict:
+    """The collective ops a traced ``tf.function`` launches (cond branches included), by the device's last part."""
+    graph = function.get_concrete_function().graph.as_graph_def()
+    library = {f.signature.name: f for f in graph.library.function}
+    counts = collections.Counter()
+
+    def walk(nodes):
+        for node in nodes:
+            if node.op.startswith("Collective"):
+                counts[node.device.rpartition("device:")[2]] += 1
+            for attr in node.attr.values():
+                for name in [attr.func.name, *(f.name for f in attr.list.func)]:
+                    if name in library:
+                        walk(library[name].node_def)
+
+    walk(graph.node)
+    return dict(counts)
 
 
 def numpy_powersgd(grads, error, q):
@@ -701,6 +726,70 @@ def test_under_a_loss_scale_optimizer_the_state_stays_finite_and_replicas_equal(
     for error, q in inner._tfdist_powersgd.values():
         assert all(np.isfinite(c).all() and np.abs(c).max() > 0 for c in copies(strategy, error))
         assert all(np.isfinite(c).all() for c in copies(strategy, q))
+
+
+@pytest.mark.parametrize("wrap", ["loss_scale", "clipping"])
+def test_weights_that_all_compress_are_reduced_on_every_replica_under_a_loss_scale_or_clipping(strategy_of, wrap):
+    """No weight travels exact (a model with no bias): PowerSGD's collectives are the step's only ones, launched in
+    each replica's own thread with no merge_call between them. A LossScaleOptimizer's finite check and clipping mark
+    the gradients reduced (``gradient_buckets._reduced``) before Keras' update, whose merge_call holds replica 0 with
+    its mark on while replica 1 traces: replica 1 took replica 0's mark for its own, reduced nothing, and the step
+    hung in P's all-reduce (replica 0's alone). Every replica launches the same collectives; the warm-up step sums
+    the replicas' gradients and the compressed one leaves every replica's weights bit-equal."""
+    strategy = strategy_of(2)
+    rng = np.random.RandomState(3)
+    kernels = rng.randn(2, 2, 8, 7).astype("float32")
+    with strategy.scope():
+        kernel = keras.Variable(np.zeros((8, 7), "float32"), name="kernel")
+        inner = tfdist.DistributedOptimizer(keras.optimizers.SGD(1.0, global_clipnorm=1e3 if wrap == "clipping" else None),
+                                            compression=powersgd(rank=1, start_step=1))
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=1.0) if wrap == "loss_scale" else inner
+        optimizer.build([kernel])
+    step = step_function(strategy, optimizer, [kernel], [kernels])
+    counts = collectives_by_device(step)
+    assert counts.get("CPU:0", 0) >= 3 and counts.get("CPU:1") == counts["CPU:0"], counts  # warm-up 1, P and Q
+    step()
+    for copy in copies(strategy, kernel):
+        np.testing.assert_allclose(copy, -kernels[0].sum(axis=0), atol=1e-5)
+    step()
+    assert int(inner.iterations.numpy()) == 2
+    assert_bit_equal_everywhere(strategy, [kernel])
+
+
+@pytest.mark.parametrize("start_step", [10 ** 6, 0])
+def test_clipping_in_fit_clips_the_gradient_summed_over_every_replica_as_one_device(strategy_of, start_step):
+    """Clipping acts on the all-reduced gradient (``gradient_buckets._reduce_then_clip``); under PowerSGD in fit the
+    rest and the example count ride in P's all-reduce, launched in the replica's thread: replica 1 took replica 0's
+    "reduced" mark for its own and reduced nothing (the train step refused: the count never rode). Uneven batches
+    (the last splits 1/0) with sample weights: the warm-up trains as one device, full rank as one device too (float
+    tolerance), every replica bit-equal."""
+    def make():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+        return model
+
+    x, y = common.uneven_data(49)
+    y = np.concatenate([y, 2 * y, -y], axis=1)
+    weights = np.random.default_rng(5).uniform(0.1, 2.0, size=49).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(4)
+
+    def fit(model, optimizer):
+        model.compile(optimizer, keras.losses.MeanSquaredError())
+        return model.fit(dataset, epochs=2, verbose=0).history["loss"]
+
+    one = make()
+    want = fit(one, keras.optimizers.SGD(0.1, global_clipnorm=0.3))
+    strategy = strategy_of(2)
+    with strategy.scope():
+        two = make()
+        got = fit(two, tfdist.DistributedOptimizer(keras.optimizers.SGD(0.1, global_clipnorm=0.3),
+                                                   compression=powersgd(rank=8, start_step=start_step)))
+    assert len(two.optimizer._tfdist_powersgd) == 2
+    tolerance = 1e-6 if start_step else 2e-5
+    for a, b in zip(two.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(a, b, atol=tolerance)
+    np.testing.assert_allclose(got, want, rtol=1e-5 if start_step else 1e-4)
+    assert_bit_equal_everywhere(strategy, two.weights)
 
 
 @pytest.mark.parametrize("overflowing", ["bias", "kernel"])
