@@ -792,6 +792,68 @@ def test_clipping_in_fit_clips_the_gradient_summed_over_every_replica_as_one_dev
     assert_bit_equal_everywhere(strategy, two.weights)
 
 
+@pytest.mark.parametrize("case", ["steps_per_execution", "loss_scale_no_bias", "multi_optimizer"])
+def test_the_warm_up_in_fit_trains_as_one_device_with_sample_weights_and_a_replica_without_examples(strategy_of, case):
+    """Before ``start_step`` every gradient and the example count travel in one all-reduce, divided by the count after
+    as exact's buckets divide: one device's weights (1e-6) and logged loss, over batches of 4 of 49 examples (the last
+    splits 1/0) with sample weights, with 3 steps an execution, under a LossScaleOptimizer on a model with no bias (the
+    count does not ride there), and as one optimizer of a MultiOptimizer."""
+    x, y = common.uneven_data(49)
+    y = np.concatenate([y, 2 * y, -y], axis=1)
+    weights = np.random.default_rng(5).uniform(0.1, 2.0, size=49).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, weights)).batch(4)
+    bias = case != "loss_scale_no_bias"
+
+    def fit(wrap):
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh", use_bias=bias),
+                                  keras.layers.Dense(3, use_bias=bias, name="head")])
+        if case == "multi_optimizer":
+            optimizer = keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+                keras.optimizers.SGD(0.05), {".*head.*": wrap(keras.optimizers.SGD(0.02))}))
+        elif case == "loss_scale_no_bias":
+            optimizer = keras.optimizers.LossScaleOptimizer(wrap(keras.optimizers.SGD(0.05)))
+        else:
+            optimizer = wrap(keras.optimizers.Adam(0.01))
+        model.compile(optimizer, keras.losses.MeanSquaredError(),
+                      steps_per_execution=3 if case == "steps_per_execution" else 1)
+        return model, model.fit(dataset, epochs=2, verbose=0).history["loss"]
+
+    one, want = fit(lambda optimizer: optimizer)
+    strategy = strategy_of(2)
+    with strategy.scope():
+        two, got = fit(lambda optimizer: tfdist.DistributedOptimizer(optimizer, compression=powersgd(
+            rank=1, start_step=10 ** 6)))
+    assert sum(len(getattr(o, "_tfdist_powersgd", {})) for o in [two.optimizer, *getattr(
+        two.optimizer, "optimizers", []), getattr(two.optimizer, "inner_optimizer", None)]) >= 1
+    for a, b in zip(two.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_bit_equal_everywhere(strategy, two.weights)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_compressed_fit_step_writes_its_times_for_the_straggler_report(strategy_of, bias):
+    """tfdist.step_clock's row of each step (the straggler report, the timeline): a compressed step times P's
+    all-reduce with the rest riding in it as one bucket; a model with no bias (nothing rides) wrote no row at all."""
+    from tfdist import step_clock
+
+    strategy = strategy_of(2)
+    x, y = classification_data(256)
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((24,)), keras.layers.Dense(16, activation="relu", use_bias=bias),
+                                  keras.layers.Dense(4, use_bias=bias)])
+        model.compile(tfdist.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=powersgd(rank=2, start_step=2)),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    first = step_clock.count()
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    rows = step_clock.rows(first)
+    assert len(rows) == 4  # 2 warm-up steps, 2 compressed
+    for column in ("data", "grads", "reduced"):
+        assert np.isfinite(rows[:, step_clock.INDEX[column]]).all(), column
+
+
 @pytest.mark.parametrize("overflowing", ["bias", "kernel"])
 def test_a_step_skipped_for_an_overflow_on_one_replica_keeps_the_state_on_every_replica(strategy_of, overflowing):
     """LossScaleOptimizer skips a step whose reduced gradients are not all finite; an inf in ONE replica's gradient of

@@ -219,8 +219,10 @@ class _DistributedMixin:
                 q.assign(new_q)
             return on_reduced(0, reduced + rest)
 
-        # timed as one bucket when the rest rides along (tfdist.step_clock: the straggler report, the timeline)
-        timed = step_clock.buckets_timed(gradients, reduce) if riding else reduce(lambda b, t, n=0: t, lambda b, t: t)
+        # timed as one bucket (tfdist.step_clock: the straggler report, the timeline) unless Keras' buckets timed the
+        # step already (the rest sent apart): with the rest riding along, or with no rest (a model with no bias)
+        timed = step_clock.buckets_timed(gradients, reduce) if riding or not exact else \
+            reduce(lambda b, t, n=0: t, lambda b, t: t)
         for i, gradient in zip(chosen + riding, timed):
             result[i] = (gradient, grads_and_vars[i][1])
         return result
