@@ -24,9 +24,9 @@ alternating order (one ``fit`` of 2 epochs of ``--window`` steps, timed over the
 round of every job (images/s and the ratio to the 1-worker job's median), then per setup the
 median images/s, the median ratio, worker 0's CPU ms per step, and the bytes each worker
 all-reduces per step, from the model's weight shapes (``bytes_per_step``): for a compressed
-kernel viewed as ``[n, m]`` (all dimensions but the last, by the last) ``r * (n + m)`` numbers
-(P, then Q), every other weight ``n * m`` (its size), 4 bytes a number (2 for fp16); and that
-payload's wire time at ``--rate``.
+kernel viewed as ``[n, m]`` (all dimensions but the last, by the last) ``r * (2n + m)`` numbers
+(P's two halves with the rest and the example count, then Q), every other weight ``n * m`` (its
+size), 4 bytes a number (2 for fp16); and that payload's wire time at ``--rate``.
 
 Convergence (``--convergence``, one process, 2 logical CPU devices, no network): the same CNN on a
 generated, learnable 10-class image task (each class a smooth random template, shifted and under
@@ -66,8 +66,10 @@ def bytes_per_step(shapes: list[tuple[int, ...]], setup: str) -> int:
     """Bytes one worker all-reduces per step under ``setup`` for weights of these ``shapes``.
 
     PowerSGD: a kernel it compresses (``PowerSGD.matrix_shape``, the optimizer's own rule) sends
-    P ``[n, r]`` and Q ``[m, r]``, r capped at min(n, m); every other weight its size. 4 bytes a
-    number, 2 under fp16.
+    P ``[n, r]`` twice (``fit``'s gradients are sums over each worker's examples: their product
+    with Q and the error feedback's travel apart, ``PowerSGD.reduce_with``) and Q ``[m, r]``, r
+    capped at min(n, m); every other weight its size; and the step's example count (one number).
+    4 bytes a number, 2 under fp16.
     """
     from tfdist.compression import Compression
 
@@ -81,10 +83,10 @@ def bytes_per_step(shapes: list[tuple[int, ...]], setup: str) -> int:
         matrix = compression.matrix_shape(shape, "float32") if compression else None
         if matrix:
             n, m = matrix
-            numbers += min(rank, n, m) * (n + m)
+            numbers += min(rank, n, m) * (2 * n + m)
         else:
             numbers += size
-    return numbers * (2 if setup == "fp16" else 4)
+    return (numbers + (1 if rank else 0)) * (2 if setup == "fp16" else 4)
 
 
 def compressed_count(shapes: list[tuple[int, ...]], rank: int) -> int:

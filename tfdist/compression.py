@@ -151,42 +151,93 @@ class PowerSGD(Compressor):
                others_finite: tf.Tensor | None = None) -> tuple[list, list, list]:
         """The reduced gradients of compressible weights, with their new error feedback and Q.
 
+        ``reduce_with`` with nothing else riding in P's collective: see there.
+        """
+        reduced, errors, qs, _ = self.reduce_with(gradients, errors, qs, step, allreduce, share,
+                                                  others_finite=others_finite)
+        return reduced, errors, qs
+
+    def reduce_with(self, gradients: Sequence[tf.Tensor], errors: Sequence[tf.Tensor], qs: Sequence[tf.Tensor],
+                    step: tf.Tensor, allreduce: Callable[[list], list], share: float, exact: Sequence = (),
+                    count: tf.Tensor | None = None,
+                    others_finite: tf.Tensor | None = None) -> tuple[list, list, list, list]:
+        """The reduced gradients of compressible weights, their new error feedback and Q, and ``exact`` reduced.
+
         One implementation for every front: ``allreduce`` sums or averages a list of tensors over
         the replicas (the caller's collective: a replica context's, a process group's), and
         ``share`` is this replica's part of its result (1/N for a sum, 1 for a mean). Every
         gradient in ``gradients`` has a ``matrix_shape``; ``errors`` are this replica's error
         feedback (the weights' shapes), ``qs`` the Qs. For ``step < start_step`` the gradients
-        are all-reduced exact and the state comes back unchanged. Two collectives a step (all
-        P, then all Q), each one fused call. A non-finite P or Q (an overflow on any replica:
-        the same on all), or ``others_finite`` False (the reduced gradients travelling exact are
-        not all finite), keeps the old state: a step loss scaling skips leaves it as it was.
-        """
-        gradients, errors, qs = list(gradients), list(errors), list(qs)
-        if not gradients:
-            return [], [], []
+        are all-reduced exact and the state comes back unchanged.
 
-        def exact():
-            return list(allreduce(gradients)), errors, qs
+        Two collectives a step, each one ``allreduce`` call: every P, with ``exact`` (the
+        gradients that travel exact: vectors, small tensors; they do not depend on P) riding
+        along; then every Q. ``count``: every gradient given (compressed and exact) is this
+        replica's sum over its examples, to be divided by the replicas' counts added up
+        (``C``; ``tfdist.keras_fixes.batch_shares``' weighting): the count rides in P's
+        collective too, and, as ``M = g / C + e`` needs ``C`` first, each matrix's ``g Q`` and
+        ``e Q`` travel apart in it (``sum(M Q) = sum(g Q) / C + sum(e Q)``: P's numbers twice).
+        A P of ``g + K e`` with a ``K`` known before (the replica's examples times N) would
+        send them once, but mixes the replicas' errors into P's basis when a batch splits
+        unevenly (``sum(K_i e_i)`` is not ``C sum(e_i)``; full rank then no longer spans the
+        update). During the warm-up all of it travels in one call. A non-finite P or Q (an
+        overflow on any replica: the same on all), a non-finite reduced ``exact`` tensor, or
+        ``others_finite`` False (gradients the caller reduced apart are not all finite) keeps the
+        old state: a step loss scaling skips leaves it as it was.
+        """
+        gradients, errors, qs, exact = list(gradients), list(errors), list(qs), list(exact)
+        if not gradients and not exact:
+            return [], [], [], []
+        riders = exact + ([tf.cast(count, _float_of(gradients + exact))] if count is not None else [])
+
+        def divided(tensors, total):
+            return [tf.math.divide_no_nan(t, tf.cast(total, t.dtype)) if t.dtype.is_floating else t for t in tensors]
+
+        def exact_step():
+            reduced = list(allreduce(riders + gradients))
+            sums, rest = reduced[len(riders):], reduced[:len(exact)]
+            if count is not None:
+                total = reduced[len(exact)]
+                sums, rest = divided(sums, total), divided(rest, total)
+            return sums, errors, qs, rest
 
         def compressed():
             shapes = [g.shape for g in gradients]
-            matrices = [tf.reshape(g, [-1, q.shape[0]]) + tf.reshape(e, [-1, q.shape[0]])
-                        for g, e, q in zip(gradients, errors, qs)]
-            ps = allreduce([tf.matmul(mat, q) for mat, q in zip(matrices, qs)])
+            flat = [tf.reshape(g, [-1, q.shape[0]]) for g, q in zip(gradients, qs)]
+            flat_errors = [tf.reshape(e, [-1, q.shape[0]]) for e, q in zip(errors, qs)]
+            if count is None:
+                matrices = [g + e for g, e in zip(flat, flat_errors)]
+                reduced = list(allreduce(riders + [tf.matmul(mat, q) for mat, q in zip(matrices, qs)]))
+                ps, rest = reduced[len(riders):], reduced[:len(exact)]
+            else:  # M = g / C + e, C not known before P's collective: sum(M Q) = sum(g Q) / C + sum(e Q)
+                k = len(gradients)
+                reduced = list(allreduce(riders + [tf.matmul(g, q) for g, q in zip(flat, qs)]
+                                         + [tf.matmul(e, q) for e, q in zip(flat_errors, qs)]))
+                total, sums = reduced[len(exact)], reduced[len(riders):]
+                ps = [gq + eq for gq, eq in zip(divided(sums[:k], total), sums[k:])]
+                rest = divided(reduced[:len(exact)], total)
+                matrices = [g + e for g, e in zip(divided(flat, total), flat_errors)]
             ps = [tf.linalg.qr(p)[0] for p in ps]
-            new_qs = allreduce([tf.matmul(mat, p, transpose_a=True) for mat, p in zip(matrices, ps)])
-            finite = all_finite(ps + new_qs)
+            new_qs = list(allreduce([tf.matmul(mat, p, transpose_a=True) for mat, p in zip(matrices, ps)]))
+            finite = all_finite(ps + new_qs + rest)
             if others_finite is not None:
                 finite = tf.logical_and(finite, others_finite)
             approx = [tf.matmul(p, q, transpose_b=True) for p, q in zip(ps, new_qs)]
             new_errors = [tf.where(finite, tf.reshape(mat - a * tf.cast(share, a.dtype), e.shape), e)
                           for mat, a, e in zip(matrices, approx, errors)]
             kept = [tf.where(finite, new, old) for new, old in zip(new_qs, qs)]
-            return [tf.reshape(a, shape) for a, shape in zip(approx, shapes)], new_errors, kept
+            return [tf.reshape(a, shape) for a, shape in zip(approx, shapes)], new_errors, kept, rest
 
+        if not gradients:
+            return exact_step()
         if self.start_step == 0:
             return compressed()
-        return tf.cond(tf.cast(step, tf.int64) < self.start_step, exact, compressed)
+        return tf.cond(tf.cast(step, tf.int64) < self.start_step, exact_step, compressed)
+
+
+def _float_of(tensors: Sequence) -> tf.DType:
+    """The dtype a count riding with ``tensors`` takes: the first float32 or float64 one's (no collective more)."""
+    return next((t.dtype for t in tensors if t.dtype in (tf.float32, tf.float64)), tf.float32)
 
 
 def all_finite(tensors: Sequence) -> tf.Tensor:

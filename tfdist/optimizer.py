@@ -28,8 +28,8 @@ from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from tfdist import compression as compression_lib
 from tfdist.compression import Compression
 from tfdist.errors import CompressionError, KerasCompatibilityError
-from tfdist.keras_fixes import accumulation, gradient_buckets, sharded_state
-from tfdist import patching, sharding
+from tfdist.keras_fixes import accumulation, batch_shares, gradient_buckets, sharded_state
+from tfdist import buckets, patching, sharding, step_clock
 from tfdist.patching import Patch
 
 # The Keras methods _DistributedMixin overrides: if Keras stopped calling them, gradients would
@@ -176,31 +176,54 @@ class _DistributedMixin:
                 for (g, v), (_, context) in zip(reduced, packed)]
 
     def _powersgd_all_reduce(self, grads_and_vars):
-        """Matrices through ``PowerSGD.reduce`` (two collectives), the rest exact in Keras' buckets."""
+        """Matrices through ``PowerSGD.reduce_with``; the rest rides in P's collective when the step weighs by examples.
+
+        In ``fit`` with tfdist's weighting (``batch_shares``: the gradients are sums over each
+        replica's examples, divided by the global count after) the rest (vectors, small tensors;
+        sparse ones made dense, as in Keras' buckets) and the step's example count ride in P's
+        all-reduce: a compressed step launches P's and Q's and no other (each collective has a
+        fixed CPU cost that dominated a compressed step: benchmarks/RESULTS.md, issue 52).
+        Otherwise (a loss scale, a custom loop) the rest goes first through Keras' buckets, then P
+        and Q, as before: under ``LossScaleOptimizer`` the rest launched in the replica's own
+        thread with P deadlocked the step (its finite check runs in a merge_call).
+        """
         context = tf.distribute.get_replica_context()
         states = getattr(self, "_tfdist_powersgd", {})
         if context is None or not states:
             return super()._all_reduce_sum_gradients(grads_and_vars)
         chosen = [i for i, (g, v) in enumerate(grads_and_vars) if g is not None and self._var_key(v) in states]
+        if not chosen:  # nothing compressed in this step: Keras' buckets (which carry the count, if any)
+            return super()._all_reduce_sum_gradients(grads_and_vars)
         exact = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None and i not in chosen]
         result = list(grads_and_vars)
+        pairs = [states[self._var_key(grads_and_vars[i][1])] for i in chosen]
+        count = batch_shares.count_to_reduce()  # this replica's examples, when the sums weigh by them
         # Keras refuses a call with no gradient at all (and, on one replica, warns wrongly of a None one): only the rest
-        if exact:
+        if count is None and exact:
             for i, pair in zip(exact, super()._all_reduce_sum_gradients([grads_and_vars[i] for i in exact])):
                 result[i] = pair
-        if not chosen:
-            return result
-        pairs = [states[self._var_key(grads_and_vars[i][1])] for i in chosen]
-        reduced, errors, qs = self.compression.reduce(
-            # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
-            [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen], [e.value for e, _ in pairs], [q.value for _, q in pairs],
-            self.iterations, _replica_all_reduce(context), share=1.0 / context.num_replicas_in_sync,
-            # an overflow in a gradient sent exact skips the step (LossScaleOptimizer): PowerSGD's state stays too
-            others_finite=compression_lib.all_finite([result[i][0] for i in exact]))
-        for (error, q), new_error, new_q in zip(pairs, errors, qs):
-            error.assign(new_error)
-            q.assign(new_q)
-        for i, gradient in zip(chosen, reduced):
+        riding = exact if count is not None else []
+        # an Embedding's sparse gradient as the dense matrix it travels as in the buckets anyway
+        gradients = [tf.convert_to_tensor(grads_and_vars[i][0]) for i in chosen + riding]
+
+        def reduce(on_ready, on_reduced):
+            ready = on_ready(0, gradients, sum(buckets.nbytes(g) for g in gradients))
+            reduced, errors, qs, rest = self.compression.reduce_with(
+                ready[:len(chosen)], [e.value for e, _ in pairs], [q.value for _, q in pairs], self.iterations,
+                _replica_all_reduce(context), share=1.0 / context.num_replicas_in_sync, exact=ready[len(chosen):],
+                count=count,
+                # an overflow in a gradient sent exact apart skips the step (LossScaleOptimizer): the state stays too
+                others_finite=None if riding else compression_lib.all_finite([result[i][0] for i in exact]))
+            for (error, q), new_error, new_q in zip(pairs, errors, qs):
+                error.assign(new_error)
+                q.assign(new_q)
+            return on_reduced(0, reduced + rest)
+
+        # timed as one bucket (tfdist.step_clock: the straggler report, the timeline) unless Keras' buckets timed the
+        # step already (the rest sent apart): with the rest riding along, or with no rest (a model with no bias)
+        timed = step_clock.buckets_timed(gradients, reduce) if riding or not exact else \
+            reduce(lambda b, t, n=0: t, lambda b, t: t)
+        for i, gradient in zip(chosen + riding, timed):
             result[i] = (gradient, grads_and_vars[i][1])
         return result
 
@@ -257,8 +280,19 @@ def _replica_all_reduce(context) -> Callable[[list], list]:
             f"{type(ops).__name__}. On CPUs build it with no cross_device_ops (TensorFlow's choice there is collective), "
             "use tf.distribute.MultiWorkerMirroredStrategy, or use Compression.fp16.")
     options = tf.distribute.experimental.CommunicationOptions()
-    return lambda tensors: list(ops._all_reduce(tf.distribute.ReduceOp.SUM, list(tensors), context._replica_id,
-                                                options))
+
+    def all_reduce(tensors):
+        # one collective per dtype (a collective concatenates its tensors), in the order of first appearance: the
+        # same on every worker, as the dtypes are the weights'
+        tensors, result = list(tensors), [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            reduced = ops._all_reduce(tf.distribute.ReduceOp.SUM, [tensors[i] for i in indices], context._replica_id,
+                                      options)
+            for i, value in zip(indices, reduced):
+                result[i] = value
+        return result
+    return all_reduce
 
 
 def _distributed_class(base: type, mixin: type = _DistributedMixin) -> type:

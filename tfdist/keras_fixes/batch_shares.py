@@ -20,8 +20,10 @@ Where the divisor is the examples (a mean with no sample weights and no mask; a 
 examples hold another number of values on another replica weighs by examples too), the
 replica knows its share from its own count: by default
 every term is then multiplied by the global count too, the count rides in the first float32
-gradient bucket's all-reduce (``gradient_buckets``), and the sums are divided by the global
-count after: one float more in a collective sent anyway. Any other divisor (and the global
+gradient bucket's all-reduce (``gradient_buckets``; under PowerSGD in its P all-reduce,
+``tfdist.optimizer``), and the sums are divided by the global count after: one float more in a
+collective sent anyway. The loss tracker then needs no global count (each replica's loss over its
+own count, weighed by its examples): the weighting adds no collective to such a step. Any other divisor (and the global
 count, for a sum) is all-reduced where the term is computed: one small collective more for
 such a term. Under float16 compute or a loss scale (a loss multiplied by the count could
 overflow), the float16 wire or gradient accumulation (the sums of several steps are
@@ -328,7 +330,9 @@ def _count_rides_in_a_bucket(model) -> bool:
         return False
     applying = [optimizer, *getattr(optimizer, "optimizers", [])]
     none = compression_lib.Compression.none
-    return not any(o.gradient_accumulation_steps or getattr(o, "compression", none) is not none for o in applying)
+    # PowerSGD divides after too: the count rides in its P all-reduce (tfdist.optimizer._powersgd_all_reduce)
+    return not any(o.gradient_accumulation_steps or getattr(o, "compression", none) is not none
+                   and not compression_lib.is_powersgd(getattr(o, "compression", none)) for o in applying)
 
 
 @patch.replaces(trainer_module.Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training"))
@@ -438,12 +442,12 @@ def _unscale_by_share(original, value):
     share = _current_share()
     if share is None or share.observe:
         return original(value)
+    if share.stage != "loss" and value.shape.rank == 0:  # the loss tracker: no global count, no collective
+        return tf.math.divide_no_nan(value, tf.cast(share.per_example(share.divided_after), value.dtype))
     times = share.total() if share.divided_after else tf.ones(())
     if share.stage == "loss":
         return value * tf.cast(_replicas() / times, value.dtype)
-    if value.shape.rank != 0:
-        return value / tf.cast(times, value.dtype)
-    return tf.math.divide_no_nan(value, tf.cast(share.per_example(share.divided_after), value.dtype))
+    return value / tf.cast(times, value.dtype)
 
 
 def compute_average_loss(per_example_loss, sample_weight=None) -> tf.Tensor:

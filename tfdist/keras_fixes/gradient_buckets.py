@@ -159,25 +159,59 @@ def _defers_clipping(optimizer) -> bool:
 
 
 def already_reduced(optimizer) -> bool:
-    """Whether the gradients reaching ``optimizer`` now are sums already (reduced before a check or clipping)."""
-    return getattr(optimizer, "_tfdist_reduced_depth", 0) > 0
+    """Whether the gradients reaching ``optimizer`` now, in this replica, are sums already (reduced before a check or
+    clipping). Outside any replica context (a merge_call's function): whether any replica's are."""
+    marks = getattr(optimizer, "_tfdist_reduced_marks", None)
+    if not marks:
+        return False
+    replica = _replica_key()
+    # a mark made where the replica was not known (None) holds for every replica, as before
+    return any(marks.values()) if replica is None else marks.get(replica, 0) > 0 or marks.get(None, 0) > 0
 
 
 @contextlib.contextmanager
 def _reduced(optimizer):
-    """Marks the gradients ``optimizer`` is about to apply as all-reduced (replicas may nest: a count).
+    """Marks the gradients ``optimizer`` is about to apply in this replica as all-reduced (calls may nest: a count).
 
     The mark goes on every optimizer the gradients reach: a ``MultiOptimizer`` hands them to
-    its inner optimizers, whose own all-reduce would otherwise sum the sums again.
+    its inner optimizers, whose own all-reduce would otherwise sum the sums again. It is this
+    replica's (by its index in the group): the replicas of a MirroredStrategy trace in turn in
+    threads of their own and share the optimizer, and Keras' update holds replica 0 in a
+    merge_call, its mark on, while replica 1 traces its step. Where the gradients travelled
+    without a merge_call (PowerSGD's collectives), replica 1 had not yet reduced its own; a mark
+    shared by all replicas told it they were sums: it launched no collective and replica 0's
+    waited for it forever. A LossScaleOptimizer's update runs each replica again in new
+    threads (``call_for_each_replica``): the same index reads the same mark.
     """
     marked = _applying(optimizer)
+    replica = _replica_key()
     for each in marked:
-        each._tfdist_reduced_depth = getattr(each, "_tfdist_reduced_depth", 0) + 1
+        marks = getattr(each, "_tfdist_reduced_marks", None)
+        if marks is None:  # past Keras' attribute tracking: a plain dict, read and written in place
+            marks = {}
+            object.__setattr__(each, "_tfdist_reduced_marks", marks)
+        marks[replica] = marks.get(replica, 0) + 1
     try:
         yield
     finally:
         for each in marked:
-            each._tfdist_reduced_depth -= 1
+            marks = each._tfdist_reduced_marks
+            marks[replica] -= 1
+            if not marks[replica]:
+                del marks[replica]
+
+
+def _replica_key() -> int | None:
+    """This replica's index in its group, or None outside a replica context (or where tracing does not know it)."""
+    if tf.distribute.in_cross_replica_context():
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return None
+    replica = tf.get_static_value(getattr(context, "_replica_id_in_sync_group", None))
+    if replica is None:
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return None if replica is None else int(replica)
 
 
 def _applying(optimizer) -> list:
