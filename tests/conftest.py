@@ -26,12 +26,13 @@ QUICK_MODULES = frozenset(f"test_{name}" for name in (
     "save_rounds", "strategy", "tf_fixes", "wire"))
 
 
-# Under pytest-xdist (TFDIST_TEST_WORKERS=2 bash tests/run.sh), the modules that take the most time go first: each
-# worker takes whole modules in collection order as it frees up, and a long module that came last would run alone
-# at the end. From the suite's --durations, 2026-11-29.
+# Under pytest-xdist (tests/run.sh's default), the modules that take the most time go first: each worker takes whole
+# modules in collection order as it frees up, and a long module that came last would run alone at the end. Longest
+# first, from the suite's --durations on 3 workers, 2026-11-29.
 SLOW_MODULES = tuple(f"test_{name}" for name in (
-    "keras_gate", "loss_matrix", "equivalence", "buckets_multi_worker", "elastic", "watchdog", "uneven_batches",
-    "model_files", "sharded_state_multi_worker", "ray", "elastic_netns", "steps_per_execution"))
+    "keras_gate", "preemption", "loss_matrix", "sharded_state_multi_worker", "uneven_batches", "sharded_state",
+    "data_resume", "watchdog", "powersgd", "ray", "checkpoint_multi_worker", "elastic_netns", "elastic", "equivalence",
+    "horovod_examples", "checkpoint_manager", "faults", "buckets_multi_worker", "model_files", "mpi"))
 
 # Each xdist worker starts its local Ray clusters in a folder of its own, so one's `ray.init()` never finds the
 # other's cluster (Ray looks for a running one in its temporary folder).

@@ -5,10 +5,11 @@
 # the current Python, copies the test tree without tfdist's sources to a temporary folder, and
 # runs pytest there, so every test and every worker it starts imports the installed package.
 # Arguments go to pytest: bash tests/run.sh -k doctor
-# TFDIST_TEST_WORKERS=N runs the tests on N pytest-xdist workers, each taking whole test modules (so a module's
-# shared cluster or strategy stays one); a crashed worker fails the run at once instead of being replaced. The
-# default, 0, runs them in one process: on 2 cores N=2 took 37 min instead of about 46; one of its first runs
-# crashed in TensorFlow, a bug tfdist now avoids (README, Tests: tf_fixes.multi_device_input).
+# TFDIST_TEST_WORKERS=N runs the tests on N pytest-xdist workers (default 3), each taking whole test modules (so a
+# module's shared cluster or strategy stays one); a crashed worker fails the run at once instead of being replaced.
+# Three on 2 cores: many tests wait (for a peer, a timeout, a killed worker) with the cores idle, and a third worker
+# fills them (2026-11-29: 0 workers 42 min, 2 workers 39 min, 3 workers 29 min, the last two beside other runs).
+# TFDIST_TEST_WORKERS=0 runs them in this one process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"
@@ -30,7 +31,7 @@ cd "$STAGE/tree"
 # What tests/test_install.py checks the installed package against.
 export TFDIST_SOURCE="$ROOT" TFDIST_DIST_DIR="$STAGE/dist"
 PARALLEL=()
-if [ "${TFDIST_TEST_WORKERS:-0}" -gt 0 ]; then
-  PARALLEL=(-n "$TFDIST_TEST_WORKERS" --dist loadfile --max-worker-restart 0)
+if [ "${TFDIST_TEST_WORKERS:-3}" -gt 0 ]; then
+  PARALLEL=(-n "${TFDIST_TEST_WORKERS:-3}" --dist loadfile --max-worker-restart 0)
 fi
 python -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "$@"
