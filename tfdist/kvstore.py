@@ -22,6 +22,9 @@ from tfdist import stop_signals
 TIMEOUT_MS = 500
 WRITE_TIMEOUT_S = 5.0  # a write that has not returned by then: the store (worker 0) is frozen or gone
 _BACKOFF_S = (0.05, 1.0)  # the first and the longest pause between reads of a store that fails at once
+# wait_for's shortest read: a key that is there is found (a 1 ms read of worker 0's store from worker 1 beside two
+# busy loops missed 17 of 300; 5 ms missed none, the slowest answer 4 ms); an absent key costs this past a deadline
+_LAST_READ_MS = 100
 _forked = False  # a child forked from a worker: TensorFlow's client is not its own
 _before_leaving: list[Callable[[float], None]] = []  # leave_together calls each with the seconds it may take
 _stuck: threading.Thread | None = None  # a write past WRITE_TIMEOUT_S: later ones are skipped while it waits
@@ -63,12 +66,14 @@ def wait_for(key: str, deadline: float) -> str | None:
 
     Each read waits in the store for up to a second; when the store answers at once without a
     value (it is gone, or refuses), the next read comes after a pause that doubles up to a second.
+    A read waits ``_LAST_READ_MS`` at least, even at or past the deadline (a caller reading its peers
+    in turn with one deadline): it may return that much after the deadline.
     """
     pause = _BACKOFF_S[0]
     while True:  # one read at least: a value set before the deadline passed is found after it too
         left = deadline - time.monotonic()
         began = time.monotonic()
-        value = get(key, max(1, int(min(left, 1.0) * 1000)))
+        value = get(key, max(_LAST_READ_MS, int(min(left, 1.0) * 1000)))
         if value is not None or deadline - time.monotonic() <= 0:
             return value
         if time.monotonic() - began < 0.5 * min(left, 1.0):  # failed fast: back off
