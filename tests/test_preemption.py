@@ -221,7 +221,8 @@ def test_a_peer_that_never_answers_fails_the_stop_inside_the_grace_period_saying
     result = run_job("stop_edges_job.py", tmp_path, mode, timeout=120, launcher_args=SHORT_GRACE)
     ended = time.time()
     assert result.returncode == 1, result.output[-3000:]
-    assert "but worker 1 did not answer in time (it may have died, or be stuck in a step)" in result.output
+    assert "but worker 1 did not answer in time (it may have died, or be stuck in a step)" in result.output, \
+        result.output[-3000:]
     assert ended - (tmp_path / "signalled").stat().st_mtime < 20  # the grace period, not TensorFlow's heartbeat
 
 

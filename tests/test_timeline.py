@@ -33,7 +33,9 @@ def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_comp
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower than the fastest worker .*; \d+% of it waiting "
                      r"for its input$", slow_input), slow_input
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower .*; \d+% of it computing$", slow_compute)
-    assert "no straggler" in balanced and "worker 1 on host" not in balanced
+    # Balanced: worker 1 is no longer named. "no straggler" only on a quiet machine: a loaded one makes some worker
+    # slower for real (4 xdist workers on 2 cores: worker 0 25% slower), and the report says so.
+    assert "worker 1 on host" not in balanced, balanced
     assert "[0]   worker 1 (" in result.output and "[1] tfdist: fit:" not in result.output  # worker 0 says it
 
 
@@ -58,7 +60,8 @@ def test_the_timeline_is_a_chrome_trace_with_each_buckets_all_reduce_overlapping
         assert overlapping > len(steps) // 2, overlapping
         assert sum(b["args"]["hidden_ms"] for b in buckets) > 0
     instants = [e["name"] for e in trace["traceEvents"] if e["ph"] == "i" and e["pid"] == 0]
-    assert "attempt 0: 2 workers" in instants and any("no straggler" in name for name in instants)
+    assert "attempt 0: 2 workers" in instants
+    assert sum(name.startswith("tfdist: fit: 2 workers") for name in instants) == 3  # each fit's report
 
 
 def test_tensorboard_on_worker_0_only_gets_each_workers_step_time_for_every_epoch_without_waiting(job):
@@ -88,6 +91,8 @@ def test_the_verdict_names_workers_past_15_percent_and_why():
     (named, why), = stragglers.verdict([summary(0, 0.2, 10), summary(1, 8.2, 10.5), summary(2, 0.1, 10.2)])
     assert named.rank == 1 and why.startswith("83% slower than the fastest worker (own work 18.7 ms a step against 10.2)") and why.endswith(
         "94% of it waiting for its input")
+    assert stragglers.report([summary(0, 0.1, 10), summary(1, 0.1, 11)], 2, "fit") == [
+        "tfdist: fit: 2 workers, 30.0 ms a step (median of 20 steps); no straggler"]
     lines = stragglers.report([summary(0, 0.2, 10), summary(1, 0.2, 20)], 3, "fit")
     assert lines[0].startswith("tfdist: fit: 2 workers, 30.0 ms a step (median of 20 steps); no steps from "
                                "worker(s) [2]; straggler: worker 1 on host host1: 98% slower")
