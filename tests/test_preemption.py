@@ -278,17 +278,9 @@ def test_a_key_set_before_the_deadline_is_found_after_it_though_the_store_answer
     1 ms read. Worker 1 reading worker 0's store beside two busy loops missed 17 of 300 such reads (5 ms: none)."""
     from tfdist import kvstore
 
-    class Slow:  # answers in 5 ms; a read given less finds nothing, as TensorFlow's does under load
-        values = {"tfdist/stop/1/report/2": "{}"}
+    from tests.slow_store import SlowStore
 
-        def get_config_key_value(self, key, timeout_ms):
-            if key not in self.values or timeout_ms < 5:
-                time.sleep(timeout_ms / 1000)
-                raise RuntimeError("DEADLINE_EXCEEDED")
-            time.sleep(0.005)
-            return self.values[key]
-
-    monkeypatch.setattr(kvstore, "_context", lambda: Slow())
+    monkeypatch.setattr(kvstore, "_context", lambda: SlowStore({"tfdist/stop/1/report/2": "{}"}))
     began = time.monotonic()
     deadline = began + 0.3
     assert kvstore.wait_for("tfdist/stop/1/report/1", deadline) is None  # a peer that never answers: the deadline

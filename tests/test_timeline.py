@@ -219,36 +219,20 @@ def test_a_timeline_that_cannot_be_written_is_an_error_before_any_worker_starts(
     assert result.returncode == 2 and re.search(message, result.stderr), result.stderr
 
 
-class _SlowStore:
-    """A store that takes 5 ms to answer, as TensorFlow's does now and then on a loaded machine: a read given
-    less time than that finds nothing, even a key that is there."""
-
-    def __init__(self, values):
-        self.values = values
-
-    def get(self, key, timeout_ms=500):
-        return self.values.get(key) if timeout_ms >= 5 else None
-
-    def wait_for(self, key, deadline):
-        return self.values.get(key)
-
-
 def test_at_a_fits_end_worker_0_writes_a_peers_epochs_though_the_store_answers_slowly(tmp_path, monkeypatch):
     """The fit's end is where worker 0 catches up on every worker's epochs: it reads them with the time a store
     needs, not the glance of an epoch's end (the 2-worker job above missed worker 1's once in a loaded run)."""
     import keras
     import tensorflow as tf
 
+    from tests.slow_store import SlowStore
     from tfdist import kvstore
     from tfdist.keras_fixes import step_report
 
     epochs = {str(e): {"step_ms": 30.0 + e, "input_ms": 1.0, "compute_ms": 20.0} for e in (0, 1)}
-    store = _SlowStore({f"{step_report._KEY}epochs/{rank}": json.dumps({"fit": 3, "epochs": epochs})
-                        for rank in (0, 1)})
-    store.values[f"{step_report._KEY}fit/1"] = json.dumps({"fit": 3, "summary": None})
-    monkeypatch.setattr(kvstore, "get", store.get)
-    monkeypatch.setattr(kvstore, "wait_for", store.wait_for)
-    monkeypatch.setattr(kvstore, "put", lambda key, value: None)
+    values = {f"{step_report._KEY}epochs/{rank}": json.dumps({"fit": 3, "epochs": epochs}) for rank in (0, 1)}
+    values[f"{step_report._KEY}fit/1"] = json.dumps({"fit": 3, "summary": None})
+    monkeypatch.setattr(kvstore, "_context", lambda: SlowStore(values))
     board = keras.callbacks.TensorBoard(str(tmp_path))
     callbacks = keras.callbacks.CallbackList([board], model=keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
     callbacks._tfdist_fit, callbacks._tfdist_written, callbacks._tfdist_first_step = 3, set(), 0

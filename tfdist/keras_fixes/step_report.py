@@ -80,7 +80,7 @@ def _per_worker_scalars(original, self, epoch, logs=None):
         del epochs[old]
     kvstore.put(f"{_KEY}epochs/{rank}", json.dumps({"fit": fit, "epochs": epochs}))
     if rank == 0:
-        _write_scalars(self, size, deadline=time.monotonic(), read_ms=_GLANCE_MS)
+        _write_scalars(self, size, glance=True)
 
 
 @patch.replaces(CallbackList, "on_train_end", ("self", "logs"))
@@ -111,25 +111,24 @@ def _gather_fit(callbacks: CallbackList, fit: int, rank: int, size: int) -> list
         value = _of_this_fit(f"{_KEY}fit/{peer}", fit, deadline)
         if value and value["summary"]:
             found.append(stragglers.Summary(**value["summary"]))
-    # A worker's last epoch is published by now: read it with the time a store needs to answer on a loaded machine
-    # (a 1 ms read of a key that is there misses a few in a hundred beside two busy processes).
-    _write_scalars(callbacks, size, deadline=time.monotonic(), read_ms=kvstore.TIMEOUT_MS)
+    _write_scalars(callbacks, size, glance=False)  # a worker's last epoch: published by now
     return stragglers.report(found, size, "fit")
 
 
-def _of_this_fit(key: str, fit: int, deadline: float, read_ms: int = kvstore.TIMEOUT_MS) -> dict | None:
-    """The value of a worker's ``key`` once it is about ``fit`` (None at ``deadline``; one read of up to ``read_ms``
-    when it has passed)."""
+def _of_this_fit(key: str, fit: int, deadline: float, glance: bool = False) -> dict | None:
+    """The value of a worker's ``key`` once it is about ``fit`` (None at ``deadline``; one read, long enough for a
+    key that is there, when it has passed); ``glance``: one read that does not wait for a loaded store."""
     while True:
-        value = kvstore.get(key, read_ms) if time.monotonic() >= deadline else kvstore.wait_for(key, deadline)
+        value = kvstore.get(key, _GLANCE_MS) if glance else kvstore.wait_for(key, deadline)
         decoded = json.loads(value) if value else None
         if (decoded and decoded["fit"] == fit) or time.monotonic() >= deadline:
             return decoded if decoded and decoded["fit"] == fit else None
         time.sleep(0.05)  # an earlier fit's value: the worker has not published this one yet
 
 
-def _write_scalars(callbacks: CallbackList, size: int, deadline: float, read_ms: int) -> None:
-    """On worker 0 with a TensorBoard: each worker's epoch medians it has not written yet, as scalars."""
+def _write_scalars(callbacks: CallbackList, size: int, glance: bool) -> None:
+    """On worker 0 with a TensorBoard: each worker's epoch medians it has not written yet, as scalars (``glance``:
+    without waiting for the store, at an epoch's end)."""
     boards = [c for c in callbacks.callbacks if isinstance(c, TensorBoard)]
     writer = getattr(boards[0], "_train_writer", None) if boards else None
     if writer is None:
@@ -137,7 +136,7 @@ def _write_scalars(callbacks: CallbackList, size: int, deadline: float, read_ms:
     written = callbacks._tfdist_written
     with writer.as_default():
         for peer in range(size):
-            value = _of_this_fit(f"{_KEY}epochs/{peer}", callbacks._tfdist_fit, deadline, read_ms)
+            value = _of_this_fit(f"{_KEY}epochs/{peer}", callbacks._tfdist_fit, time.monotonic(), glance)
             for epoch, summary in (value["epochs"] if value else {}).items():
                 if summary is None or (peer, epoch) in written:
                     continue
