@@ -11,6 +11,12 @@
 # fills them (2026-11-29: 0 workers 42 min, 2 workers 39 min, 3 workers 29 min, the last two beside other runs).
 # TFDIST_TEST_WORKERS=0 runs them in this one process.
 set -euo pipefail
+WORKERS="${TFDIST_TEST_WORKERS:-3}"
+if ! [[ "$WORKERS" =~ ^[0-9]+$ ]]; then
+  echo "tests/run.sh: TFDIST_TEST_WORKERS is the number of pytest-xdist workers (0: one process);" \
+       "received TFDIST_TEST_WORKERS='$WORKERS'. Set a whole number, e.g. TFDIST_TEST_WORKERS=3." >&2
+  exit 2
+fi
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STAGE="$(mktemp -d "${TMPDIR:-/tmp}/tfdist-tests.XXXXXX")"
 trap 'rm -rf "$STAGE"' EXIT
@@ -31,7 +37,7 @@ cd "$STAGE/tree"
 # What tests/test_install.py checks the installed package against.
 export TFDIST_SOURCE="$ROOT" TFDIST_DIST_DIR="$STAGE/dist"
 PARALLEL=()
-if [ "${TFDIST_TEST_WORKERS:-3}" -gt 0 ]; then
-  PARALLEL=(-n "${TFDIST_TEST_WORKERS:-3}" --dist loadfile --max-worker-restart 0)
+if [ "$WORKERS" -gt 0 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadfile --max-worker-restart 0)
 fi
 python -m pytest -q -p no:cacheprovider --durations=15 "${PARALLEL[@]}" "$@"

@@ -152,3 +152,18 @@ def test_cli_rejects_bad_input(name, main, argv, code, fragment, capsys, monkeyp
     assert returned == code
     assert fragment in capsys.readouterr().err
     assert time.monotonic() - started < FAST_SECONDS
+
+
+@pytest.mark.parametrize("workers", ["three", "-1", "2.5"])
+def test_the_test_command_refuses_a_worker_count_that_is_not_a_whole_number_before_building(workers):
+    import os
+    import pathlib
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parent / "run.sh"
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(script)], env={**os.environ, "TFDIST_TEST_WORKERS": workers},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"received TFDIST_TEST_WORKERS='{workers}'. Set a whole number, e.g. TFDIST_TEST_WORKERS=3." in done.stderr
+    assert time.monotonic() - started < FAST_SECONDS  # before the wheel build
