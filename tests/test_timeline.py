@@ -25,7 +25,13 @@ def reports(output: str) -> list[str]:
     return re.findall(r"\[0\] (tfdist: fit: 2 workers.*)", output)
 
 
-def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_compute_is_then_no_one(job):
+def slower(report: str) -> int:
+    """How much slower than the fastest worker a report's straggler is, in percent (0: no straggler)."""
+    found = re.search(r"straggler: worker \d+ on host \S+: (\d+)% slower", report)
+    return int(found.group(1)) if found else 0
+
+
+def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_compute_is_then_a_far_smaller_gap(job):
     result, _ = job
     slow_input, slow_compute, balanced = reports(result.output)
     # During a fit too, every TFDIST_REPORT_SECONDS, when someone is slow (here: the first two fits)
@@ -33,9 +39,11 @@ def test_the_report_names_the_worker_whose_input_is_slow_then_the_one_whose_comp
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower than the fastest worker .*; \d+% of it waiting "
                      r"for its input$", slow_input), slow_input
     assert re.search(r"straggler: worker 1 on host \S+: \d+% slower .*; \d+% of it computing$", slow_compute)
-    # Balanced: worker 1 is no longer named. "no straggler" only on a quiet machine: a loaded one makes some worker
-    # slower for real (4 xdist workers on 2 cores: worker 0 25% slower), and the report says so.
-    assert "worker 1 on host" not in balanced, balanced
+    # Balanced: any straggler named is far less slow than worker 1 on 8 times the work. Not "no straggler", nor even
+    # "not worker 1": on a loaded machine either worker may be slower for real (4 xdist workers on 2 cores: worker 0
+    # 25% slower; 3 on CI: worker 1 47% slower, own work 11.2 ms against 7.6), and the report says so. The "no
+    # straggler" verdict is pinned in test_the_verdict_names_workers_past_15_percent_and_why.
+    assert slower(balanced) < slower(slow_compute) / 3, (slow_compute, balanced)
     assert "[0]   worker 1 (" in result.output and "[1] tfdist: fit:" not in result.output  # worker 0 says it
 
 

@@ -19,8 +19,10 @@
   (or an hvd.elastic.run of 6 committed steps), then "post-loop work": worker 0 SIGTERMs worker 1
   and both sleep 60 s. Worker 1 must end at once (the signal's default action).
 * "unanswered" ("unanswered-elastic"): at step 3 of a fit (of an hvd.elastic.run), worker 1 SIGSTOPs
-  itself; worker 0 SIGTERMs itself once worker 1 is stopped and its own report is in the store: its
-  agreed stop waits for worker 1's report.
+  itself once worker 0 is past that step too (a worker frozen as soon as its own step ends may hold
+  the answer its peer's last collective of the step still waits for, in its stopped gRPC threads);
+  worker 0 SIGTERMs itself once worker 1 is stopped and its own report is in the store: its agreed
+  stop waits for worker 1's report.
 * "blocked": at batch 3 worker 1 sleeps 40 s in a callback; worker 0 SIGTERMs itself and goes on
   into step 4, where it waits for worker 1 inside TensorFlow.
 
@@ -65,6 +67,17 @@ def wait_until(condition, seconds: float = 30.0) -> None:
 def reported(worker: int) -> bool:
     """Whether worker's answer to a stop request of the job's first session is in the store."""
     return any(kvstore.get(f"tfdist/stop/{n}/report/{worker}", 100) for n in (0, 1))
+
+
+def freeze_once_worker_0_is_past_this_step() -> None:
+    wait_until(lambda: os.path.exists(os.path.join(out_dir, "worker0-past")))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def signal_myself_once_worker_1_is_frozen() -> None:
+    open(os.path.join(out_dir, "worker0-past"), "w").close()
+    wait_until(lambda: open(f"/proc/{pid_of(1)}/stat").read().split(")")[1].split()[0] == "T")
+    kill(os.getpid())
 
 
 def kill(pid: int, sig=signal.SIGTERM) -> None:
@@ -198,10 +211,9 @@ elif mode in ("loop", "elastic", "unanswered-elastic"):
 
         def freeze_or_signal():
             if rank == 1:
-                os.kill(os.getpid(), signal.SIGSTOP)
+                freeze_once_worker_0_is_past_this_step()
                 return
-            wait_until(lambda: open(f"/proc/{pid_of(1)}/stat").read().split(")")[1].split()[0] == "T")
-            kill(os.getpid())
+            signal_myself_once_worker_1_is_frozen()
             wait_until(lambda: kvstore.get("tfdist/stop/1/report/0", 100))
 
         train(hvd.elastic.ObjectState(step=0))
@@ -209,15 +221,14 @@ elif mode in ("loop", "elastic", "unanswered-elastic"):
 
 elif mode == "unanswered":
     def freeze(callback):
-        os.kill(os.getpid(), signal.SIGSTOP)
+        freeze_once_worker_0_is_past_this_step()
 
-    def signal_myself_once_worker_1_is_frozen(callback):
-        wait_until(lambda: open(f"/proc/{pid_of(1)}/stat").read().split(")")[1].split()[0] == "T")
-        kill(os.getpid())
+    def signal_and_report(callback):
+        signal_myself_once_worker_1_is_frozen()
         wait_until(lambda: reported(0))
 
     job_model().fit(data(8), epochs=3, verbose=0, callbacks=[
-        Steps(at=(0, 3), on=(1,), then=freeze), Steps(at=(0, 3), on=(0,), then=signal_myself_once_worker_1_is_frozen)])
+        Steps(at=(0, 3), on=(1,), then=freeze), Steps(at=(0, 3), on=(0,), then=signal_and_report)])
 
 elif mode == "blocked":
     job_model().fit(data(8), epochs=3, verbose=0, callbacks=[
