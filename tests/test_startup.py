@@ -74,3 +74,33 @@ def test_every_keras_fix_applies_whichever_tfdist_module_is_imported_first(first
     result = subprocess.run([sys.executable, "-W", "error::Warning", "-c", script], env=job_env(),
                             capture_output=True, text=True, timeout=120)
     assert "applied True" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("before, env, expected", [
+    ("", {}, "on True frozen True"),
+    ("", {"TFDIST_GC_FREEZE": "0"}, "on True frozen False"),
+    ("gc.disable()\n", {}, "on False frozen False"),  # the program's choice stays
+])
+def test_tensorflow_and_keras_import_with_the_collector_paused_and_their_objects_frozen_out_of_it(
+        before, env, expected):
+    script = (f"import gc\n{before}import tfdist, keras\n"
+              "print('on', gc.isenabled(), 'frozen', gc.get_freeze_count() > 100_000)")
+    result = subprocess.run([sys.executable, "-c", script], env={**job_env(), **env},
+                            capture_output=True, text=True, timeout=120)
+    assert expected in result.stdout, result.stdout + result.stderr[-3000:]
+
+
+def test_a_frozen_modules_import_that_fails_or_nests_leaves_the_collector_on(tmp_path):
+    (tmp_path / "outer_heavy.py").write_text("import gc, inner_heavy\nINSIDE = gc.isenabled()\n")
+    (tmp_path / "inner_heavy.py").write_text("import gc\nINSIDE = gc.isenabled()\n")
+    (tmp_path / "broken_heavy.py").write_text("raise RuntimeError('broken')\n")
+    script = ("import gc\nfrom tfdist import startup\n"
+              "startup.arm(frozen=['outer_heavy', 'inner_heavy', 'broken_heavy'])\n"
+              "try:\n    import broken_heavy\nexcept RuntimeError:\n    pass\n"
+              "print('after a failed import', gc.isenabled())\n"
+              "import outer_heavy, inner_heavy\n"
+              "print('inside', outer_heavy.INSIDE, inner_heavy.INSIDE, 'after', gc.isenabled())\n")
+    env = job_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert "after a failed import True\ninside False False after True" in result.stdout, result.stderr[-3000:]

@@ -39,6 +39,7 @@ checks it, imports inside functions included):
 from __future__ import annotations
 
 import importlib
+import os as _os
 
 from tfdist import startup as _startup
 
@@ -109,7 +110,8 @@ def _apply_ray_fixes() -> None:
 
 
 _startup.record_import_site()
-_startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks, "ray.train": _apply_ray_fixes})
+_startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks, "ray.train": _apply_ray_fixes},
+             frozen=() if _os.environ.get("TFDIST_GC_FREEZE") == "0" else ("tensorflow", "keras"))
 
 
 def __getattr__(name: str):
