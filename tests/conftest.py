@@ -42,6 +42,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_configure(config):
+    import tfdist  # noqa: F401  (first, as in a user's script: TensorFlow's import then freezes its heap, tfdist.startup)
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]

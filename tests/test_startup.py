@@ -76,31 +76,66 @@ def test_every_keras_fix_applies_whichever_tfdist_module_is_imported_first(first
     assert "applied True" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("before, env, expected", [
-    ("", {}, "on True frozen True"),
-    ("", {"TFDIST_GC_FREEZE": "0"}, "on True frozen False"),
-    ("gc.disable()\n", {}, "on False frozen False"),  # the program's choice stays
+@pytest.mark.parametrize("before, imports, env, expected", [
+    ("", "tfdist, keras", {}, "on True frozen True"),
+    ("", "tfdist, tensorflow", {}, "on True frozen True"),
+    ("", "tfdist, keras", {"TFDIST_GC_FREEZE": "0"}, "on True frozen False"),
+    ("gc.disable()\n", "tfdist, keras", {}, "on False frozen False"),  # the program's choice stays
 ])
 def test_tensorflow_and_keras_import_with_the_collector_paused_and_their_objects_frozen_out_of_it(
-        before, env, expected):
-    script = (f"import gc\n{before}import tfdist, keras\n"
+        before, imports, env, expected):
+    script = (f"import gc\n{before}import {imports}\n"
               "print('on', gc.isenabled(), 'frozen', gc.get_freeze_count() > 100_000)")
     result = subprocess.run([sys.executable, "-c", script], env={**job_env(), **env},
                             capture_output=True, text=True, timeout=120)
     assert expected in result.stdout, result.stdout + result.stderr[-3000:]
 
 
-def test_a_frozen_modules_import_that_fails_or_nests_leaves_the_collector_on(tmp_path):
-    (tmp_path / "outer_heavy.py").write_text("import gc, inner_heavy\nINSIDE = gc.isenabled()\n")
-    (tmp_path / "inner_heavy.py").write_text("import gc\nINSIDE = gc.isenabled()\n")
-    (tmp_path / "broken_heavy.py").write_text("raise RuntimeError('broken')\n")
-    script = ("import gc\nfrom tfdist import startup\n"
-              "startup.arm(frozen=['outer_heavy', 'inner_heavy', 'broken_heavy'])\n"
-              "try:\n    import broken_heavy\nexcept RuntimeError:\n    pass\n"
-              "print('after a failed import', gc.isenabled())\n"
-              "import outer_heavy, inner_heavy\n"
-              "print('inside', outer_heavy.INSIDE, inner_heavy.INSIDE, 'after', gc.isenabled())\n")
+FROZEN_IMPORTS = """
+import gc, os, sys, threading, weakref
+from tfdist import startup
+startup.arm(frozen=["outer_heavy", "inner_heavy", "broken_heavy", "forking_heavy", "threaded_heavy"])
+try:
+    import broken_heavy
+except RuntimeError:
+    pass
+print("after a failed import", gc.isenabled())
+class Cycle:
+    pass
+dead = Cycle(); dead.me = dead; dead = weakref.ref(dead)  # garbage before the import, not yet collected
+import outer_heavy, inner_heavy
+print("inside", outer_heavy.INSIDE, inner_heavy.INSIDE, "after", gc.isenabled(), "dead freed", dead() is None,
+      "frozen", gc.get_freeze_count() > 0)
+import forking_heavy
+print("child", forking_heavy.CHILD)
+seen = []
+importing = threading.Thread(target=lambda: __import__("threaded_heavy"))
+importing.start()
+while "threaded_heavy" not in sys.modules:
+    pass
+seen.append(gc.isenabled())  # another thread: no pause
+importing.join()
+print("beside a thread", seen, "inside", sys.modules["threaded_heavy"].INSIDE)
+"""
+HEAVY_MODULES = {
+    "outer_heavy": "import gc, inner_heavy\nINSIDE = gc.isenabled()\n",
+    "inner_heavy": "import gc\nINSIDE = gc.isenabled()\n",
+    "broken_heavy": "raise RuntimeError('broken')\n",
+    # A process forked while the import has the collector paused: the child's import may never end.
+    "forking_heavy": "import gc, os\nread, write = os.pipe()\nif os.fork() == 0:\n"
+                     "    os.write(write, str(gc.isenabled()).encode())\n    os._exit(0)\n"
+                     "os.wait()\nCHILD = os.read(read, 10).decode()\n",
+    "threaded_heavy": "import gc, time\ntime.sleep(0.5)\nINSIDE = gc.isenabled()\n",
+}
+
+
+def test_a_frozen_modules_import_that_fails_nests_forks_or_runs_beside_a_thread_leaves_the_collector_on(tmp_path):
+    for name, text in HEAVY_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(text)
     env = job_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert "after a failed import True\ninside False False after True" in result.stdout, result.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-c", FROZEN_IMPORTS], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.splitlines() == [
+        "after a failed import True", "inside False False after True dead freed True frozen True", "child True",
+        "beside a thread [True] inside True"], result.stdout + result.stderr[-3000:]

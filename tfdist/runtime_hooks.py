@@ -208,7 +208,8 @@ def _init_mirrored(original, self, devices=None, cross_device_ops=None):
         warnings.warn(
             f"This process is worker {cluster.worker_index} of {cluster.num_workers} ({cluster.source}), but "
             "MirroredStrategy spans this worker's own devices only: each worker trains its own copy of the "
-            "model. To train one model on every worker, use tfdist.scope() / tfdist.get_strategy() (or "
+            "model, and worker 0 resolves every copy's collectives, so it must be the last to exit. To train one "
+            "model on every worker, use tfdist.scope() / tfdist.get_strategy() (or "
             "tf.distribute.MultiWorkerMirroredStrategy()).", ClusterWarning, stacklevel=3)
         # TensorFlow's MirroredExtended reads the strategy's _collective_key_base (its tests bump it per strategy)
         self._collective_key_base = type(self)._collective_key_base + (cluster.worker_index + 1) * _WORKER_KEY_SPAN

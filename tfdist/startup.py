@@ -14,15 +14,16 @@ imports and runs each hook once its module has been imported:
 * ``ray.train``: ``tfdist.ray_fixes`` (only the chief's checkpoint reaches Ray);
 * with ``aliases`` (``tfdist run --horovod``): extra module names that resolve to tfdist
   modules, e.g. ``horovod.tensorflow.keras`` -> ``tfdist.horovod``;
-* with ``frozen`` (``tensorflow`` and ``keras``, unless ``TFDIST_GC_FREEZE=0``): while the outermost
-  of those imports runs, Python's cyclic garbage collector pauses, and once it has finished every
-  object alive is frozen out of later collections (``gc.freeze``). Their import creates about
-  300,000 objects that live as long as the process: the collector walked them again and again
-  during the import (about 0.6 s of CPU), in every full collection after it (about 0.2 s each: a
-  pause in some worker's step) and at exit. A 2-worker job of the README's example: 11.5 s of CPU
-  before, 8.2 s after (benchmarks/RESULTS.md). The cost: a reference cycle among objects alive
-  then that later becomes garbage is never collected (the import itself left about 1,700 such
-  objects). A collector the program turned off stays off, and nothing is frozen then.
+* with ``frozen`` (``tensorflow`` and ``keras``, unless ``TFDIST_GC_FREEZE=0``): while those
+  imports run, Python's cyclic garbage collector pauses (if the importing thread is the process's
+  only one), and once they have finished, one collection frees what died and every object alive
+  is frozen out of later collections (``gc.freeze``). The import leaves about 300,000 objects that
+  live as long as the process: the collector walked them again and again during the import, in
+  every full collection after it (about 0.2 s each: a pause in some worker's step) and at exit
+  (figures: benchmarks/RESULTS.md). The costs: a reference cycle among objects alive then that
+  later becomes garbage is never collected, and ``gc.get_objects()`` and ``gc.get_referrers()``
+  no longer see the frozen objects. A collector the program turned off stays off, and nothing is
+  frozen then.
 
 A hook whose module is imported while a tfdist module is still being imported (``import
 tfdist.checkpoint`` imports TensorFlow, which imports Keras) waits until that tfdist import has
@@ -65,6 +66,8 @@ imported_at: str | None = None
 _after_import: dict[str, list[Callable[[], None]]] = {}
 _aliases: dict[str, str] = {}
 _frozen: set[str] = set()  # modules imported with the collector paused, then frozen out of it
+_heavy_imports = 0  # imports of ``frozen`` modules under way
+_paused = False  # the collector is off for them
 _busy: set[str] = set()
 _tfdist_imports_running = 0
 _waiting: list[tuple[str, Callable[[], None]]] = []  # hooks held until no tfdist module is being imported
@@ -163,16 +166,44 @@ class _WrappingLoader(importlib.abc.Loader):
 
 @contextlib.contextmanager
 def _collector_paused(name: str):
-    """The outermost import of a ``frozen`` module runs with the collector paused, and freezes the heap after."""
-    paused = name in _frozen and gc.isenabled()  # inside one already, or turned off by the program: as it is
-    if paused:
-        gc.disable()
+    """Imports of ``frozen`` modules (nested ones count once): the collector pauses while they run if the importing
+    thread is the process's only one; then the garbage is collected and everything alive frozen out of it."""
+    global _heavy_imports, _paused
+    if name not in _frozen:
+        yield
+        return
+    with _lock:
+        _heavy_imports += 1
+        # Another thread may turn the collector off or on meanwhile, or read it off: alone, none can.
+        if _heavy_imports == 1 and gc.isenabled() and threading.active_count() == 1:
+            _paused = True
+            gc.disable()
     try:
         yield
     finally:
-        if paused:
-            gc.freeze()
-            gc.enable()
+        with _lock:
+            _heavy_imports -= 1
+            last = _heavy_imports == 0
+        if last:
+            try:
+                if _paused or gc.isenabled():  # a collector the program turned off: nothing frozen either
+                    gc.collect()  # what died before and during the imports: frozen, it would never be freed
+                    gc.freeze()
+            finally:
+                if _paused:
+                    _paused = False
+                    gc.enable()
+
+
+def _collector_back_in_child() -> None:
+    """A process forked by a paused import: the collector runs in the child (its import may never end there)."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_collector_back_in_child)
 
 
 class _NotifyingLoader(_WrappingLoader):
