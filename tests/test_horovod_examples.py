@@ -84,12 +84,14 @@ def test_unchanged_horovod_custom_loop_script_runs_under_tfdist_run_horovod(tmp_
     script.write_text(source.replace("import tfdist.horovod as hvd  # Horovod: " + horovod_line, horovod_line))
     shutil.copy(EXAMPLES / "mnist_like.py", tmp_path)
     assert "import tfdist" not in script.read_text() and horovod_line in script.read_text()
-    result = run_job("horovod_example_job.py", tmp_path / "out", str(script), "--steps", "60", "--batch-size", "16",
+    # 60 steps a worker: the loss falls from about 2.3 to under 0.05 by step 50 (its prints come every 10 steps); at
+    # 30 a worker, step 20's loss was still above step 0's in one run in about fourteen (2.21, 2.26, 2.34).
+    result = run_job("horovod_example_job.py", tmp_path / "out", str(script), "--steps", "120", "--batch-size", "16",
                      "--checkpoint-dir", str(tmp_path / "ckpt"), launcher_args=("--horovod",), timeout=TIMEOUT,
                      env={"HOROVOD_TIMELINE": str(tmp_path / "timeline.json")}).check()
     assert result.results[0]["final_weights"] == result.results[1]["final_weights"]
     losses = [float(line.split("Loss: ")[1]) for line in result.output.splitlines() if line.startswith("[0] Step #")]
-    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert len(losses) == 6 and losses[-1] < losses[0] / 4, losses
     assert "[1] Step" not in result.output
     assert (tmp_path / "ckpt" / "ckpt-1.index").exists()
     # HOROVOD_TIMELINE: rank 0 wrote tfdist's timeline (at exit): both ranks' tape steps and their buckets' all-reduces
