@@ -81,6 +81,7 @@ def test_every_keras_fix_applies_whichever_tfdist_module_is_imported_first(first
     ("", "tfdist, tensorflow", {}, "on True frozen True"),
     ("", "tfdist, keras", {"TFDIST_GC_FREEZE": "0"}, "on True frozen False"),
     ("gc.disable()\n", "tfdist, keras", {}, "on False frozen False"),  # the program's choice stays
+    ("", "tfdist, keras", {"TFDIST_GC_FREEZE": "off"}, "on True frozen False"),  # a bad value: warned, left alone
 ])
 def test_tensorflow_and_keras_import_with_the_collector_paused_and_their_objects_frozen_out_of_it(
         before, imports, env, expected):
@@ -89,6 +90,8 @@ def test_tensorflow_and_keras_import_with_the_collector_paused_and_their_objects
     result = subprocess.run([sys.executable, "-c", script], env={**job_env(), **env},
                             capture_output=True, text=True, timeout=120)
     assert expected in result.stdout, result.stdout + result.stderr[-3000:]
+    bad = env.get("TFDIST_GC_FREEZE") == "off"
+    assert ("TFDIST_GC_FREEZE='off': set it to 0" in result.stderr) == bad, result.stderr[-3000:]
 
 
 FROZEN_IMPORTS = """

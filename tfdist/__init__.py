@@ -111,7 +111,7 @@ def _apply_ray_fixes() -> None:
 
 _startup.record_import_site()
 _startup.arm(hooks={"keras": _apply_keras_fixes, "tensorflow": _install_runtime_hooks, "ray.train": _apply_ray_fixes},
-             frozen=() if _os.environ.get("TFDIST_GC_FREEZE") == "0" else ("tensorflow", "keras"))
+             frozen=("tensorflow", "keras") if _startup.gc_freeze_wanted(_os.environ) else ())
 
 
 def __getattr__(name: str):

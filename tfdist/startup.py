@@ -95,6 +95,17 @@ def arm(hooks: Mapping[str, Callable[[], None]] | None = None, aliases: Mapping[
             after_import(name, hook)
 
 
+def gc_freeze_wanted(environ: Mapping[str, str]) -> bool:
+    """``TFDIST_GC_FREEZE``: unset or 1 freezes TensorFlow's and Keras' import heap, 0 leaves the collector alone;
+    any other value warns (naming it) and leaves the collector alone: an import must not fail."""
+    raw = environ.get("TFDIST_GC_FREEZE", "").strip()
+    if raw not in ("", "0", "1"):
+        warnings.warn(f"TFDIST_GC_FREEZE={raw!r}: set it to 0 (leave Python's garbage collector alone) or 1 (the "
+                      "default: freeze TensorFlow's and Keras' import-time objects out of it), or unset it; "
+                      "left alone for now.", StartupWarning, stacklevel=3)
+    return raw in ("", "1")
+
+
 def after_import(name: str, callback: Callable[[], None]) -> None:
     """Calls ``callback()`` once module ``name`` has been imported (now, if it already is)."""
     with _lock:
