@@ -24,7 +24,8 @@ the true last batch of a call tfdist cuts short where Keras would train past the
 strategy tfdist built without a ``steps_per_execution`` of its own, runs ``AUTO_STEPS``
 steps per call in ``fit``; or 1 when a callback needs to see every batch, or when the fit is
 known to train fewer than ``AUTO_MIN_STEPS`` steps in all (the loop's trace, a few tenths of a
-second of CPU, would cost more than the calls it saves).
+second of CPU, would cost more than the calls it saves) and the model's train function is not
+traced for its K already.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def _fit_with_auto_steps(original, self, *args, **kwargs):
         # A per-batch callback on one worker: K=1 for all. The fit's length: the longest worker's (every worker
         # runs that many steps, tfdist.keras_fixes.uneven), unknown if one worker's is.
         group = process_group.for_strategy(self.distribute_strategy)
-        mine = tf.constant([steps, -1 if total is None else total], tf.int64)
+        mine = tf.constant([steps, -1 if total is None else min(total, AUTO_MIN_STEPS)], tf.int64)  # epochs=maxsize
         picks = group.allgather(mine, device="CPU").numpy().reshape(-1, 2)
         steps, total = int(picks[:, 0].min()), None if (picks[:, 1] < 0).any() else int(picks[:, 1].max())
     traced = self.train_function is not None and getattr(self, "_tfdist_traced_steps", 1) == steps
