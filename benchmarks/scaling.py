@@ -110,12 +110,14 @@ def worker(args: argparse.Namespace) -> None:
                 compression=tfdist.Compression.fp16 if fp16 else tfdist.Compression.none)
         compile_kwargs = {} if steps_per_execution is None else {"steps_per_execution": steps_per_execution}
         model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"], **compile_kwargs)
-    model.fit(data, epochs=4, steps_per_epoch=32, verbose=0)  # tracing and warm-up (128 steps: auto K=16)
+    model.fit(data, epochs=1, steps_per_epoch=32, verbose=0)  # tracing and warm-up
     start = time.perf_counter()
     model.fit(data, epochs=1, steps_per_epoch=args.steps, verbose=0)
     seconds = time.perf_counter() - start
+    from tfdist.keras_fixes.steps_per_execution import auto_steps
+
     result = {"images_per_sec": global_batch * args.steps / seconds, "step_ms": 1000 * seconds / args.steps,
-              "steps_per_execution": steps_per_execution or getattr(model, "_tfdist_traced_steps", 1)}
+              "steps_per_execution": steps_per_execution or auto_steps(None, args.steps)}
     if args.breakdown and workers > 1:
         from tfdist.bench import profile
 

@@ -128,12 +128,12 @@ def compiled(strategy, **compile_kwargs):
     return model
 
 
-def fit_steps(model, callbacks=(), steps_per_epoch=None, epochs=4):
-    """K that fit used, in ``epochs`` epochs of 40 batches (``steps_per_epoch``: of that many)."""
+def fit_steps(model, callbacks=(), steps_per_epoch=None):
+    """K that fit used: the batches callbacks saw in 40 batches."""
     seen = []
     recorder = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(model.steps_per_execution))
     x = np.zeros((40 * 4, 6), "float32")
-    model.fit(x, x[:, :1], batch_size=4, epochs=epochs, verbose=0, steps_per_epoch=steps_per_epoch,
+    model.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, steps_per_epoch=steps_per_epoch,
               callbacks=[*callbacks, recorder])
     return seen[0]
 
@@ -143,12 +143,7 @@ def test_auto_picks_k_unless_a_callback_needs_every_batch(fresh_tfdist_strategy)
 
     every_batch = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
     assert fit_steps(compiled(tf.distribute.get_strategy(), steps_per_execution="auto")) == 16
-    assert fit_steps(compiled(tf.distribute.get_strategy(), steps_per_execution="auto"), steps_per_epoch=5,
-                     epochs=26) == 5
-    # 40 or 125 steps in all: fewer than AUTO_MIN_STEPS (128), one a call (the loop's trace would cost more)
-    assert fit_steps(compiled(tf.distribute.get_strategy(), steps_per_execution="auto"), epochs=1) == 1
-    assert fit_steps(compiled(tf.distribute.get_strategy(), steps_per_execution="auto"), steps_per_epoch=5,
-                     epochs=25) == 1
+    assert fit_steps(compiled(tf.distribute.get_strategy(), steps_per_execution="auto"), steps_per_epoch=5) == 5
     with tfdist.scope(devices="CPU:[0-1]") as strategy:  # no K given under tfdist's strategy: auto
         model = compiled(strategy)
     assert fit_steps(model, callbacks=[keras.callbacks.EarlyStopping(monitor="loss")]) == 16
@@ -159,63 +154,8 @@ def test_auto_picks_k_unless_a_callback_needs_every_batch(fresh_tfdist_strategy)
     assert model.predict(np.zeros((40, 6), "float32"), batch_size=4, steps=2, verbose=0).shape == (8, 1)
 
 
-def test_auto_counts_the_steps_of_a_fit_as_keras_will_train_them():
-    """What ``fit_steps`` reads (the auto K's threshold): arrays by batch (Keras' 32 by default, after its
-    validation split), a dataset's or a PyDataset's length, ``steps_per_epoch``, the epochs after
-    ``initial_epoch``; None when the data does not say."""
-    from tfdist.keras_fixes.steps_per_execution import fit_steps
-
-    class Batches(keras.utils.PyDataset):
-        def __len__(self):
-            return 7
-
-        def __getitem__(self, index):
-            return np.zeros((2, 6)), np.zeros((2, 1))
-
-    class Endless(keras.utils.PyDataset):
-        @property
-        def num_batches(self):
-            return None
-
-    x = np.zeros((100, 6), "float32")
-    assert fit_steps({"x": x, "epochs": 3}) == 3 * 4  # 100 examples in batches of 32
-    assert fit_steps({"x": {"a": x, "b": x}, "batch_size": 10, "epochs": 5, "initial_epoch": 2}) == 3 * 10
-    assert fit_steps({"x": x, "batch_size": 10, "validation_split": 0.25}) == 8  # 75 examples
-    assert fit_steps({"x": x, "batch_size": 10, "validation_split": 0.25, "validation_data": (x, x)}) == 10
-    assert fit_steps({"x": x, "batch_size": 10, "validation_split": None}) == 10
-    assert fit_steps({"x": x, "steps_per_epoch": 6, "epochs": 2}) == 12
-    assert fit_steps({"x": tf.data.Dataset.from_tensor_slices(x).batch(30)}) == 4
-    assert fit_steps({"x": Batches(), "epochs": 2}) == 14
-    assert fit_steps({"x": tf.data.Dataset.from_tensor_slices(x).repeat()}) is None
-    assert fit_steps({"x": tf.data.Dataset.from_tensor_slices(x).filter(lambda r: True)}) is None
-    assert fit_steps({"x": Endless()}) is None
-    assert fit_steps({"x": (np.zeros((8, 6)), np.zeros((9, 6)))}) is None  # Keras refuses it, not this count
-    assert fit_steps({"x": iter([x])}) is None
-
-
-def test_a_short_fit_keeps_the_k_a_longer_fit_traced_and_takes_what_keras_takes(fresh_tfdist_strategy):
-    """A short fit after a long one reuses the long one's 16-step function (no retrace: alternating them would
-    trace every fit); ``validation_split=None``, which Keras accepts, trains."""
-    import tfdist
-
-    with tfdist.scope(devices="CPU:[0-1]") as strategy:
-        model = compiled(strategy)
-    x = np.zeros((4 * 200, 6), "float32")
-    assert fit_steps(model, epochs=1) == 1  # 40 steps
-    model.fit(x, x[:, :1], batch_size=4, verbose=0)  # 200 steps: K=16, traced
-    function = model.train_function
-    assert fit_steps(model, epochs=1) == 16 and model.train_function is function
-    model.fit(x[:40], x[:40, :1], batch_size=4, validation_split=None, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 40 + 200 + 40 + 10
-
-
 def test_auto_trains_the_steps_asked_for_when_k_changes_between_fits(fresh_tfdist_strategy):
     """K=16, then a per-batch callback (K=1), then fewer steps than K: every fit trains exactly its steps."""
-    with common.auto_k_however_short():
-        _k_changes_between_fits()
-
-
-def _k_changes_between_fits():
     import tfdist
 
     with tfdist.scope(devices="CPU:[0-1]") as strategy:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -83,25 +82,11 @@ def train_equivalence(strategy=None, steps_per_execution: int = 1) -> list[np.nd
     return model.get_weights()
 
 
-@contextlib.contextmanager
-def auto_k_however_short():
-    """tfdist's auto K (16, or the step counts') for fits shorter than ``AUTO_MIN_STEPS`` too, which otherwise run
-    one step a call: for tests of the K-step path on short fits."""
-    from tfdist.keras_fixes import steps_per_execution
-
-    saved, steps_per_execution.AUTO_MIN_STEPS = steps_per_execution.AUTO_MIN_STEPS, 0
-    try:
-        yield
-    finally:
-        steps_per_execution.AUTO_MIN_STEPS = saved
-
-
 def step_counts(strategy=None, steps_per_execution=1, wrap_optimizer=lambda optimizer: optimizer) -> dict:
     """Step counts K does not divide: fit(steps_per_epoch=10, validation_steps=3), evaluate/predict(steps=5),
     and 2 epochs over 11 batches with no step count. Returns what a user would compare with K=1.
 
-    ``steps_per_execution=None`` leaves it out of ``compile`` (tfdist's default, at its K however short these
-    fits are); ``wrap_optimizer``
+    ``steps_per_execution=None`` leaves it out of ``compile`` (tfdist's default); ``wrap_optimizer``
     makes e.g. a Horovod DistributedOptimizer.
     """
     import keras
@@ -123,15 +108,13 @@ def step_counts(strategy=None, steps_per_execution=1, wrap_optimizer=lambda opti
         on_train_batch_end=lambda batch, logs: batches[train][-1].append(batch),
         on_test_begin=lambda logs: batches["test"].append([]),
         on_test_batch_end=lambda batch, logs: batches["test"][-1].append(batch))
-    with auto_k_however_short() if steps_per_execution is None else contextlib.nullcontext():
-        history = model.fit(six, epochs=3, steps_per_epoch=10, validation_data=eleven.repeat(), validation_steps=3,
-                            verbose=0, callbacks=[recorder])
+    history = model.fit(six, epochs=3, steps_per_epoch=10, validation_data=eleven.repeat(), validation_steps=3,
+                        verbose=0, callbacks=[recorder])
     result = {"fit_iterations": int(model.optimizer.iterations.numpy()), "history": history.history}
     result["evaluate"] = model.evaluate(eleven.repeat(), steps=5, verbose=0, callbacks=[recorder])
     result["predict_shape"] = list(model.predict(eleven.repeat(), steps=5, verbose=0).shape)
     train = "train_to_the_data_end"
-    with auto_k_however_short() if steps_per_execution is None else contextlib.nullcontext():
-        model.fit(eleven, epochs=2, verbose=0, callbacks=[recorder])
+    model.fit(eleven, epochs=2, verbose=0, callbacks=[recorder])
     result["iterations"] = int(model.optimizer.iterations.numpy())
     result["batches"] = batches
     result["weights"] = [w.tolist() for w in model.get_weights()]

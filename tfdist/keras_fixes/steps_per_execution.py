@@ -22,24 +22,18 @@ the true last batch of a call tfdist cuts short where Keras would train past the
 
 ``auto_patch``: ``compile(steps_per_execution="auto")``, and any model compiled under a
 strategy tfdist built without a ``steps_per_execution`` of its own, runs ``AUTO_STEPS``
-steps per call in ``fit``; or 1 when a callback needs to see every batch, or when the fit is
-known to train fewer than ``AUTO_MIN_STEPS`` steps in all (the loop's trace, a few tenths of a
-second of CPU, would cost more than the calls it saves) and the model's train function is not
-traced for its K already.
+steps per call in ``fit``, or 1 when a callback needs to see every batch.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-import math
 
 import tensorflow as tf
 from keras.src import callbacks as callbacks_module
-from keras.src import tree
 from keras.src.backend.tensorflow import trainer as keras_tf_trainer
 from keras.src.trainers import trainer as trainer_module
-from keras.src.trainers.data_adapters.py_dataset_adapter import PyDataset
 from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.utils import python_utils
 
@@ -218,9 +212,6 @@ def _data_ends_within(epoch_iterator, left: int) -> bool:
 # steps_per_execution="auto" ------------------------------------------------------------------------
 
 AUTO_STEPS = 16  # steps per call when tfdist picks: amortises per-call dispatch, callbacks still often called
-# A fit known to train fewer steps runs one per call: the K-step loop's trace costs 0.2-0.9 s of CPU more than one
-# step's, and saves about 1-2 ms a step (benchmarks/RESULTS.md, "Steps per call for short fits").
-AUTO_MIN_STEPS = 128
 _BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 # Keras callbacks that handle K steps per call themselves (they see every K-th batch and count right).
 _HANDLE_K_STEPS = (callbacks_module.ProgbarLogger, callbacks_module.History, callbacks_module.ModelCheckpoint,
@@ -254,17 +245,9 @@ def _fit_with_auto_steps(original, self, *args, **kwargs):
     arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
     steps = auto_steps(arguments.get("callbacks"),
                        *(arguments.get(name) for name in ("steps_per_epoch", "validation_steps")))
-    total = fit_steps(arguments)
-    if process_group.num_workers(self.distribute_strategy) > 1:
-        # A per-batch callback on one worker: K=1 for all. The fit's length: the longest worker's (every worker
-        # runs that many steps, tfdist.keras_fixes.uneven), unknown if one worker's is.
+    if process_group.num_workers(self.distribute_strategy) > 1:  # a per-batch callback on one worker: K=1 for all
         group = process_group.for_strategy(self.distribute_strategy)
-        mine = tf.constant([steps, -1 if total is None else min(total, AUTO_MIN_STEPS)], tf.int64)  # epochs=maxsize
-        picks = group.allgather(mine, device="CPU").numpy().reshape(-1, 2)
-        steps, total = int(picks[:, 0].min()), None if (picks[:, 1] < 0).any() else int(picks[:, 1].max())
-    traced = self.train_function is not None and getattr(self, "_tfdist_traced_steps", 1) == steps
-    if steps > 1 and total is not None and total < AUTO_MIN_STEPS and not traced:
-        steps = 1  # a short fit: one step a call, unless this K's function is traced already (same on every worker)
+        steps = int(group.allreduce(tf.constant([steps], tf.int64), op="min", device="CPU").numpy()[0])
     if getattr(self, "_tfdist_traced_steps", 1) != steps:
         # Retrace for the new K (kept across fits with the same K). K=1 too: a function traced for K runs K
         # steps a call whatever steps_per_execution says, so a fit with a per-batch callback after one without
@@ -289,33 +272,6 @@ def auto_steps(callbacks, *step_limits: int | None) -> int:
                 python_utils.is_default(getattr(callback, hook)) for hook in _BATCH_HOOKS):
             return 1
     return min([AUTO_STEPS, *filter(None, step_limits)])
-
-
-def fit_steps(arguments: dict) -> int | None:
-    """How many steps a fit of these (bound) arguments trains in all, when its data says before it starts."""
-    epochs = arguments.get("epochs", 1) - arguments.get("initial_epoch", 0)
-    split = (arguments.get("validation_split") or 0.0) if arguments.get("validation_data") is None else 0.0
-    per_epoch = arguments.get("steps_per_epoch") or _batches(arguments.get("x"), arguments.get("batch_size"), split)
-    return None if per_epoch is None else per_epoch * max(epochs, 0)
-
-
-def _batches(x, batch_size: int | None, validation_split: float) -> int | None:
-    """Batches in an epoch of ``x`` (a tf.data.Dataset of known length, a PyDataset, arrays); None if unknown."""
-    if isinstance(x, tf.data.Dataset):
-        count = int(x.cardinality())
-        return count if count >= 0 else None
-    if isinstance(x, PyDataset):
-        try:
-            return x.num_batches
-        except NotImplementedError:  # Keras fails on it too
-            return None
-    leaves = tree.flatten(x) if x is not None else []
-    sizes = {leaf.shape[0] if len(getattr(leaf, "shape", ())) else None for leaf in leaves}
-    size = sizes.pop() if len(sizes) == 1 else None
-    if not isinstance(size, int):
-        return None
-    examples = math.floor(size * (1.0 - validation_split))  # Keras' train_validation_split (without validation_data)
-    return -(-examples // (batch_size or 32))  # Keras' default batch for arrays
 
 
 def _under_tfdist_strategy() -> bool:
