@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["tests.cpu_report"]
+pytest_plugins = ["tests.cpu_report", "tests.suite_order"]
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # quiet start-up logs, here and in worker jobs
 # Multi-worker fits keep the default buckets: autotune would trace each fit's step for every candidate
@@ -26,14 +26,6 @@ QUICK_MODULES = frozenset(f"test_{name}" for name in (
     "save_rounds", "strategy", "tf_fixes", "wire"))
 
 
-# Under pytest-xdist (tests/run.sh's default), the modules that take the most time go first: each worker takes whole
-# modules in collection order as it frees up, and a long module that came last would run alone at the end. Longest
-# first, from the suite's --durations on 3 workers, 2026-11-29.
-SLOW_MODULES = tuple(f"test_{name}" for name in (
-    "keras_gate", "preemption", "loss_matrix", "sharded_state_multi_worker", "uneven_batches", "sharded_state",
-    "data_resume", "watchdog", "powersgd", "ray", "checkpoint_multi_worker", "elastic_netns", "elastic", "equivalence",
-    "horovod_examples", "checkpoint_manager", "faults", "buckets_multi_worker", "model_files", "mpi"))
-
 # Each xdist worker starts its local Ray clusters in a folder of its own, so one's `ray.init()` never finds the
 # other's cluster (Ray looks for a running one in its temporary folder).
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -50,12 +42,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        module = item.module.__name__.rpartition(".")[2]
-        return SLOW_MODULES.index(module) if module in SLOW_MODULES else len(SLOW_MODULES)
-
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
-        items.sort(key=rank)  # stable: each module's tests stay together, in their order
     for item in items:
         if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
             item.add_marker(pytest.mark.quick)

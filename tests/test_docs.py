@@ -2,6 +2,7 @@
 options they name exist."""
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -106,3 +107,20 @@ def test_the_quick_tier_names_test_modules_that_exist():
 
     assert sorted(name for name in QUICK_MODULES if not (REPO / "tests" / f"{name}.py").exists()) == []
     assert "-m quick" in (REPO / "README.md").read_text()
+
+
+def test_the_slowest_modules_go_first_under_xdist(tmp_path):
+    """pytest-xdist's real scheduling over a generated tree: a listed slow module with one test starts before an
+    unlisted one with many (xdist's own reorder, by number of tests, would start that one first)."""
+    from tests.suite_order import SLOW_MODULES
+
+    assert sorted(name for name in SLOW_MODULES if not (REPO / "tests" / f"{name}.py").exists()) == []
+    log = tmp_path / "order.txt"
+    for name, count in (("test_many", 10), (SLOW_MODULES[-1], 1)):
+        (tmp_path / f"{name}.py").write_text("".join(
+            f"def test_{i}():\n    open({str(log)!r}, 'a').write({name!r} + '\\n')\n\n" for i in range(count)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
+                           "-n", "1", "--dist", "loadfile", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert log.read_text().split()[0] == SLOW_MODULES[-1], log.read_text()
