@@ -48,6 +48,20 @@ def test_k_steps_per_call_equal_one_step_per_call(mirrored):
     assert five["batches"] in ([4, 9, 14, 19] * 2, [0, 5, 10, 15] * 2)
 
 
+
+def test_the_k_step_loop_is_traced_without_autograph(mirrored, monkeypatch):
+    """tfdist's loop is TensorFlow ops already (tf.while_loop, tf.cond), as Keras' own step functions are (which it
+    marks do_not_convert): AutoGraph transpiled five functions of it (and Keras' optional-input wrapper) at every
+    first fit, about 0.4 s of a worker's CPU (benchmarks/plain_vs_tfdist.py), and changed nothing."""
+    from tensorflow.python.autograph.impl import api
+
+    converted, convert = [], api._convert_actual
+    monkeypatch.setattr(api, "_convert_actual",
+                        lambda entity, ctx: converted.append(entity.__qualname__) or convert(entity, ctx))
+    result = train(mirrored, 5)
+    assert converted == []
+    assert result["iterations"] == 32
+
 @pytest.mark.parametrize("devices", [None, "CPU:[0-1]"], ids=["one-device", "mirrored-2"])
 def test_callbacks_see_keras_batch_numbers_when_the_data_ends_the_epoch(devices):
     """Keras 3.15.1 on one device, 10 batches at K=3: 10 steps, on_train_batch_end(2, 5, 8, 11) (its last call stops
