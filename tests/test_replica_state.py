@@ -54,6 +54,25 @@ def test_moving_statistics_are_the_mean_over_replicas_on_every_replica():
     assert not np.allclose(expected_mean[0], expected_mean[1])  # the replicas saw different statistics
 
 
+
+def test_the_mean_is_traced_without_autograph(monkeypatch):
+    """The averaging function is TensorFlow ops only: AutoGraph transpiled it (and its per-replica part) for every
+    model with non-trainable weights, and changed nothing (Keras marks its own functions do_not_convert)."""
+    from tensorflow.python.autograph.impl import api
+
+    converted, convert = [], api._convert_actual
+    monkeypatch.setattr(api, "_convert_actual",
+                        lambda entity, ctx: converted.append(entity.__qualname__) or convert(entity, ctx))
+    x, y = _data()
+    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        model = _bn_first_model()
+        model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert converted == []
+    copies = [c.numpy() for c in model.layers[0].moving_mean.value.values]
+    np.testing.assert_array_equal(copies[0], copies[1])
+
 def _train_cnn(strategy, synchronized=True, epochs=2):
     return common.train_batchnorm_cnn(strategy, synchronized, epochs)
 

@@ -71,7 +71,9 @@ def _mean_function(strategy: tf.distribute.Strategy, variables: list) -> tf.type
     def local_copies():
         return tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(v), tf.float32), [-1]) for v in variables], 0)
 
-    return tf.function(lambda: strategy.reduce(tf.distribute.ReduceOp.MEAN, strategy.run(local_copies), axis=None))
+    # autograph=False: TensorFlow ops only, nothing for AutoGraph to convert (transpiling both took CPU at every model).
+    return tf.function(lambda: strategy.reduce(tf.distribute.ReduceOp.MEAN, strategy.run(local_copies), axis=None),
+                       autograph=False)
 
 
 @patch.replaces(CallbackList, "on_epoch_end", ("self", "epoch", "logs"))
