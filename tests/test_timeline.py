@@ -2,6 +2,7 @@
 fit, the Chrome-trace timeline (tfdist run --timeline), and per-worker step times in TensorBoard; pieces in one
 process too."""
 
+import contextlib
 import json
 import re
 
@@ -174,6 +175,50 @@ def test_each_row_names_the_bucket_plan_its_step_ran():
     totals = [sum(plans[int(row[step_clock.INDEX["plan"]])]) for row in rows]
     assert totals == [(8 * 3 + 3) * 4] * 2 + [(8 * 50 + 50) * 4] * 2
 
+
+
+def _fit_counting_clock_reads(monkeypatch, strategy=None, optimizer="sgd"):
+    """Fits a small model (under ``strategy``, or none) and returns how many clock reads its steps' traces made and
+    the step clock's rows its steps wrote."""
+    import keras
+
+    from tfdist import step_clock
+
+    reads = []
+    now_after = step_clock._now_after
+    monkeypatch.setattr(step_clock, "_now_after", lambda *args: reads.append(args) or now_after(*args))
+    first = step_clock.count()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile(optimizer() if callable(optimizer) else optimizer, "mse")
+    model.fit(np.ones((16, 8), "float32"), np.zeros((16, 3), "float32"), batch_size=8, epochs=2, verbose=0,
+              validation_split=0.5)
+    model.evaluate(np.ones((8, 8), "float32"), np.zeros((8, 3), "float32"), verbose=0)
+    return len(reads), step_clock.rows(first)
+
+
+def test_keras_own_step_with_no_strategy_reads_no_clock(monkeypatch):
+    """No strategy, Keras' step and optimizer: no gradient is all-reduced, so no row is written, and the step's graph
+    reads no clock (a tf.cond per traced step, run at every step: the cost of every plain Keras fit)."""
+    reads, rows = _fit_counting_clock_reads(monkeypatch)
+    assert (reads, len(rows)) == (0, 0)
+
+
+@pytest.mark.parametrize("optimizer", ["keras", "tfdist"])
+def test_a_step_that_writes_its_row_still_reads_when_its_batch_was_ready(monkeypatch, optimizer):
+    """Under a strategy (Keras' optimizer, or tfdist's DistributedOptimizer): every training step's row has the time
+    its batch was ready (the ``data`` column)."""
+    import keras
+
+    from tfdist import optimizer as optimizer_lib
+    from tfdist import step_clock
+    from tfdist import strategy as strategy_lib
+
+    make = keras.optimizers.SGD if optimizer == "keras" else lambda: optimizer_lib.DistributedOptimizer(
+        keras.optimizers.SGD())
+    reads, rows = _fit_counting_clock_reads(monkeypatch, strategy_lib.make_strategy("mirrored", devices="CPU:[0-1]"),
+                                            make)
+    assert reads and len(rows) == 2 and np.isfinite(rows[:, step_clock.INDEX["data"]]).all()
 
 def test_the_trace_is_json_without_nan_and_says_which_clocks_are_unmeasured():
     from tfdist import step_clock, timeline

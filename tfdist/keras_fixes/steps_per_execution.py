@@ -49,7 +49,7 @@ patch = Patch(
 
 @patch.replaces(keras_tf_trainer.TensorFlowTrainer, "_make_function", ("self", "step_function"))
 def _steps_traced_inline(original, self, step_function):
-    step_function = _clocked(step_function, after_batch=not self.jit_compile)
+    step_function = _clocked(self, step_function, after_batch=not self.jit_compile)
     keras_function = original(self, step_function)
     steps = self.steps_per_execution
     if steps == 1:
@@ -136,9 +136,10 @@ def _taking_partial_calls(keras_function):
     return function
 
 
-def _clocked(step_function, after_batch: bool):
-    """``step_function`` noting when its batch was ready (``tfdist.step_clock``: the step's start), and with
-    ``after_batch`` every op of it after its batch.
+def _clocked(model, step_function, after_batch: bool):
+    """``step_function`` of ``model`` noting when its batch was ready (``tfdist.step_clock``: the step's start) where
+    its step may write a row of step times (``_may_write_step_times``), and with ``after_batch`` every op of it
+    after its batch.
 
     The optimizer's step counter does not depend on the data: without the control dependency, TensorFlow runs
     its increment in the call whose ``get_next`` finds the data's end (how Keras ends an epoch of unknown
@@ -146,7 +147,8 @@ def _clocked(step_function, after_batch: bool):
     that the first step creates (a LossScaleOptimizer's) could not be lifted out of the compiled function.
     """
     def step(data):
-        step_clock.step_starts(data)
+        if _may_write_step_times(model, step_function):
+            step_clock.step_starts(data)
         batch = [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
         try:
             with tf.control_dependencies(batch if after_batch else []):
@@ -155,6 +157,38 @@ def _clocked(step_function, after_batch: bool):
             step_clock.step_ends()
 
     return step
+
+
+def _may_write_step_times(model, step_function) -> bool:
+    """Whether the step being traced may write a row of ``tfdist.step_clock`` (which takes its batch's time from
+    ``step_starts``): under a strategy (tfdist's gradient all-reduce times it), with an optimizer that is not one of
+    Keras' own classes (tfdist's, tfdist.horovod's: their reductions time it), or in a step of the model's own (a
+    ``tfdist.horovod`` tape may time it). Keras' own step with Keras' optimizers and no strategy reduces nothing, so
+    writes no row: there the clock read (a ``tf.cond`` per traced step, run at every step) would cost every plain
+    Keras model its trace and its run for nothing."""
+    if tf.distribute.has_strategy():
+        return True
+    own = getattr(step_function, "__func__", None)
+    trainer = keras_tf_trainer.TensorFlowTrainer
+    if own not in (trainer.train_step, trainer.test_step, trainer.predict_step):
+        return True
+    return not all(_keras_own(optimizer) for optimizer in _optimizers(model.optimizer))
+
+
+def _keras_own(optimizer) -> bool:
+    """Whether every class ``optimizer`` is made of is Keras' (or TensorFlow's): tfdist's optimizers are subclasses
+    of the user's Keras class with a mixin of tfdist's, named and placed as that class (``tfdist.optimizer``)."""
+    return all(cls.__module__.split(".")[0] in ("keras", "tensorflow", "builtins") for cls in type(optimizer).__mro__)
+
+
+def _optimizers(optimizer) -> list:
+    """``optimizer`` and every optimizer it applies through (a LossScaleOptimizer's inner one, a MultiOptimizer's)."""
+    if optimizer is None:
+        return []
+    found = [optimizer]
+    for inner in [getattr(optimizer, "inner_optimizer", None), *(getattr(optimizer, "optimizers", None) or [])]:
+        found += _optimizers(inner)
+    return found
 
 
 # The last call of an epoch runs only the steps left ---------------------------------------------------
