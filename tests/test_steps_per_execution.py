@@ -237,3 +237,36 @@ def test_a_dataset_of_unknown_length_trains_one_optimizer_step_per_batch(fresh_t
     callbacks = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)] * per_batch_callback
     model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks)
     assert int(model.optimizer.iterations.numpy()) == 12
+
+
+class TensorIfStepModel(keras.Model):
+    """A user's train_step with a Python ``if`` on a tensor: Keras 3 does not AutoGraph-convert it (its step functions
+    are do_not_convert), so plain ``fit`` fails while tracing; tfdist's loop must not convert it either."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            if tf.reduce_sum(y) > 0:
+                loss = loss * 2.0
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("steps_per_execution", [None, 4], ids=["auto", "K=4"])
+def test_a_users_train_step_is_converted_as_plain_keras_converts_it(mirrored, steps_per_execution):
+    """Oracle: plain Keras on one device. Before 6126bf0 tfdist's loop (AutoGraph on) converted a user's train_step,
+    so this trained under tfdist at K>1 only (and failed at K=1 or with a per-batch callback)."""
+    def fit(strategy):
+        with strategy.scope():
+            inputs = keras.Input((4,))
+            model = TensorIfStepModel(inputs, keras.layers.Dense(1)(inputs))
+            model.compile("sgd", "mse", **({} if steps_per_execution is None else
+                                           {"steps_per_execution": steps_per_execution}))
+        x = np.ones((32, 4), "float32")
+        model.fit(tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True))).batch(8), verbose=0)
+
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError, match="as a Python `bool`"):
+        fit(tf.distribute.get_strategy())  # plain Keras' own error
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError, match="as a Python `bool`"):
+        fit(mirrored)
