@@ -64,8 +64,18 @@ def _timed(out_file: str, argv: list[str]) -> list[str]:
     return ["/usr/bin/time", "-f", TIME_FORMAT, "-o", out_file, *argv]
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> float:
-    """Waits for every process (killing all of their groups on a failure or the timeout); their CPU seconds."""
+def _kill_groups(procs) -> None:
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, log_name: str) -> float:
+    """Waits for every process (killing all of their groups on a failure, the timeout or SIGTERM); their CPU
+    seconds."""
     deadline = time.monotonic() + timeout
     cpu = 0.0
     pending = {p.pid: p for p in procs}
@@ -78,17 +88,13 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> float:
                     del pending[pid]
                     cpu += usage.ru_utime + usage.ru_stime
                     if proc.returncode != 0:
-                        raise RuntimeError(f"{proc.args!r} exited {proc.returncode}")
+                        raise RuntimeError(f"{proc.args!r} exited {proc.returncode}: its output is in {log_name}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"still running after {timeout:g} s: {[p.args for p in pending.values()]}")
+                raise TimeoutError(f"still running after {timeout:g} s: {[p.args for p in pending.values()]} "
+                                   f"(output in {log_name})")
             time.sleep(0.05)
     finally:
-        for proc in pending.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        _kill_groups(pending.values())
     return cpu
 
 
@@ -99,12 +105,19 @@ def _read_time(path: str) -> tuple[float, float, float, float]:
 
 
 def run_job(arm: str, workers: int, timeout: float, log) -> Job:
-    out = tempfile.mkdtemp(prefix="plain_vs_tfdist.")
+    with tempfile.TemporaryDirectory(prefix="plain_vs_tfdist.") as out:
+        procs: list[subprocess.Popen] = []
+        try:
+            return _run_in(out, arm, workers, timeout, log, procs)
+        finally:
+            _kill_groups(p for p in procs if p.returncode is None)  # a Popen that failed after another started
+
+
+def _run_in(out: str, arm: str, workers: int, timeout: float, log, procs: list) -> Job:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     start = time.monotonic()
     if arm == "plain":
         ports = _free_ports(workers)
-        procs = []
         for index in range(workers):
             tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                          "task": {"type": "worker", "index": index}}
@@ -124,9 +137,9 @@ def run_job(arm: str, workers: int, timeout: float, log) -> Job:
         worker = " ".join(shlex.quote(a) for a in _timed(os.path.join(out, "w"), [])) + "$TFDIST_WORKER_INDEX "
         worker += " ".join(shlex.quote(a) for a in [sys.executable, script, out])
         argv = [sys.executable, "-m", "tfdist.run", "-n", str(workers), "--", "sh", "-c", worker]
-        procs = [subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)]
-    total = _wait_all(procs, timeout)
+        procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    total = _wait_all(procs, timeout, log.name)
     wall = time.monotonic() - start
     times = [_read_time(os.path.join(out, f"w{i}")) for i in range(workers)]
     return Job(arm, tuple(u + s for u, s, _, _ in times), tuple(t[0] for t in times), tuple(t[1] for t in times),
@@ -141,6 +154,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "plain_vs_tfdist.log"))
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit: the jobs' finally kills their workers
     arms = args.arm or ["plain", "tfdist"]
     jobs: dict[str, list[Job]] = {arm: [] for arm in arms}
     with open(args.log, "ab") as log:

@@ -1,9 +1,10 @@
 """The order pytest-xdist hands out the suite's modules (tests/conftest.py loads this plugin): the longest first.
 
 Under ``--dist loadfile`` (tests/run.sh) each worker takes whole modules in the queue's order as it frees up, and a
-long module that came last would run alone at the end while the other workers sit idle. pytest-xdist (3.7 and
-later) reorders that queue by each module's number of tests unless told not to, which put the Keras gate (a few
-tests, the longest module) near the end: this plugin turns that off and sorts the modules of ``SLOW_MODULES`` first.
+long module that came last would run alone at the end while the other workers sit idle. pytest-xdist (3.5 and
+later) reorders that queue by each module's number of tests, which put the Keras gate (a few tests, the longest
+module) near the end; 3.8 added the option to turn that off (setup.cfg's test extras ask for 3.8 or later). This
+plugin turns it off and sorts the modules of ``SLOW_MODULES`` first.
 """
 
 from __future__ import annotations
