@@ -158,8 +158,7 @@ def test_decision_callbacks_take_a_model_that_is_no_keras_model(make):
 
 def test_every_patch_is_applied_on_this_keras():
     assert [(p.name, p.applied, p.problem) for p in keras_fixes.PATCHES] == [
-        ("multi_worker_fit", True, None), ("spare_iterators", True, None), ("loss_scale", True, None),
-        ("sharded_state", True, None),
+        ("multi_worker_fit", True, None), ("loss_scale", True, None), ("sharded_state", True, None),
         ("gradient_buckets", True, None),
         ("accumulation", True, None),
         ("callbacks", True, None),

@@ -184,44 +184,6 @@ def test_auto_trains_the_steps_asked_for_when_k_changes_between_fits(fresh_tfdis
         assert seen == (list(range(steps)) if callbacks else [])
 
 
-def test_evaluate_after_an_auto_k_fit_keeps_its_traced_function(fresh_tfdist_strategy):
-    """An auto-K fit (whose validation runs at K) gives evaluate back the one-step function an earlier evaluate
-    traced: it used to retrace after every fit. Validation inside the fit still runs at K; a compile drops both."""
-    import tfdist
-
-    traced = []
-
-    class Counted(keras.Sequential):
-        def test_step(self, *args):
-            traced.append(self.steps_per_execution)
-            return super().test_step(*args)
-
-    with tfdist.scope(devices="CPU:[0-1]") as strategy:
-        model = Counted([keras.Input((6,)), keras.layers.Dense(1)])
-        model.compile("sgd", "mse")
-    x = np.random.default_rng(0).random((40, 6)).astype("float32")
-    y = x[:, :1]
-    model.evaluate(x, y, batch_size=4, verbose=0)
-    once = len(traced)
-    assert once and set(traced) == {1}
-    model.fit(x, y, batch_size=4, verbose=0)
-    model.evaluate(x, y, batch_size=4, verbose=0)
-    assert len(traced) == once  # not traced again
-    model.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y))
-    assert set(traced[once:]) == {16}  # validation traced its own function at K
-    del traced[:]
-    model.evaluate(x, y, batch_size=4, verbose=0)
-    assert traced == []  # and evaluate is back to the one-step function
-
-    def compile_again(logs):
-        with strategy.scope():
-            model.compile("sgd", "mae")
-
-    model.fit(x, y, batch_size=4, verbose=0, callbacks=[keras.callbacks.LambdaCallback(on_train_end=compile_again)])
-    model.evaluate(x, y, batch_size=4, verbose=0)
-    assert traced  # compiled during the fit: traced anew (the kept function reported 0.0)
-
-
 @pytest.mark.parametrize("per_batch_callback", [False, True], ids=["k-auto", "k-1"])
 def test_a_dataset_of_unknown_length_trains_one_optimizer_step_per_batch(fresh_tfdist_strategy, per_batch_callback):
     """Keras ends such an epoch when a call's first get_next finds no data; the optimizer's step counter does

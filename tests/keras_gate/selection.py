@@ -46,7 +46,6 @@ TESTS_OF_PATCH: dict[str, tuple[str, ...]] = {
     "sparse_rows": OPTIMIZER + ("layers/core/embedding_test.py",),  # BaseOptimizer.apply
     "scaled_loss": LOSS_SCALE,                            # LossScaleOptimizer.scale_loss
     "py_dataset_build": TRAINER,                          # TensorFlowTrainer._maybe_symbolic_build
-    "spare_iterators": TRAINER + EPOCHS,                  # _maybe_symbolic_build, EpochIterator._enumerate_iterator
     "batch_shares": TRAINER + ("losses/loss_test.py", "losses/losses_test.py"),  # train_step, the loss scaling
     "async_checkpoint": ("backend/tensorflow/saved_model_test.py",),  # Variable._copy_trackable_to_cpu
     "model_files": ("saving/saving_lib_test.py", "saving/saving_api_test.py"),  # saving_lib.save_model, weights

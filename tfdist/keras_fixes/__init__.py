@@ -43,8 +43,6 @@ not work. Remove a patch when the Keras versions tfdist supports all have the fi
   the timeline, and gives TensorBoard each worker's step times.
 * ``py_dataset_build``: a ``PyDataset`` with workers keeps its first batches under a strategy
   (Keras' build took them from the running enqueuer).
-* ``spare_iterators``: under a strategy, no distributed iterator for a build that needs no batch (a model
-  built already) nor for the next epoch that replaces it unused (Keras made both).
 * ``batch_shares``: in ``fit`` and ``evaluate`` every loss term weighs by its share of the global
   batch (its divisor: examples, sample weights, unmasked values; 1 for a sum), so a batch that does
   not split evenly trains and logs as on one device (Keras weighs each mean by 1 / replicas).
@@ -71,13 +69,11 @@ def patches() -> tuple[Patch, ...]:
     so importing this package never starts a Keras import inside a half-imported tfdist module."""
     from tfdist.keras_fixes import (accumulation, async_checkpoint, autotune_fit, batch_shares, callbacks, distribution, distribution_cluster,
                                     gradient_buckets, loss_scale, model_files, multi_worker, precision_check, preemption,
-                                    py_dataset_build, quiet, replica_state, scaled_loss, sharded_state, spare_iterators,
-                                    sparse_rows, step_report,
+                                    py_dataset_build, quiet, replica_state, scaled_loss, sharded_state, sparse_rows,
+                                    step_report,
                                     steps_per_execution, sync_batch_norm, uneven, xla)
 
-    # spare_iterators: under the other patches of _enumerate_iterator, whose tests take their originals
-    return (multi_worker.patch, spare_iterators.patch, loss_scale.patch, sharded_state.patch, gradient_buckets.patch,
-            accumulation.patch, callbacks.patch,
+    return (multi_worker.patch, loss_scale.patch, sharded_state.patch, gradient_buckets.patch, accumulation.patch, callbacks.patch,
             replica_state.patch, steps_per_execution.patch, steps_per_execution.exact_steps_patch,
             steps_per_execution.auto_patch, xla.patch, uneven.patch, precision_check.patch, sync_batch_norm.patch,
             distribution_cluster.patch, distribution.patch, quiet.patch, step_report.patch, preemption.patch, autotune_fit.patch, sparse_rows.patch,

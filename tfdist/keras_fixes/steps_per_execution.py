@@ -293,16 +293,12 @@ def _fit_with_auto_steps(original, self, *args, **kwargs):
     if steps == 1:
         return original(self, *args, **kwargs)
     self.steps_per_execution = steps
-    # Validation runs at K too; evaluate after the fit gets back the one-step function an earlier evaluate traced
-    # (not a retrace per fit: on a small model that costs as much as the fit's steps), unless the model was
-    # compiled again meanwhile (compile drops its functions).
-    test_function, compiled = self.test_function, getattr(self, "_compile_config", None)
-    self.test_function = None
+    self.test_function = None  # validation runs at K too
     try:
         return original(self, *args, **kwargs)
     finally:
         self.steps_per_execution = 1
-        self.test_function = test_function if getattr(self, "_compile_config", None) is compiled else None
+        self.test_function = None
 
 
 def auto_steps(callbacks, *step_limits: int | None) -> int:
