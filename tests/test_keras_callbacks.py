@@ -209,6 +209,24 @@ def test_a_patch_keeps_the_original_reachable():
     assert patching.original_of(Owner.method)(Owner(), 1, 2) == 3
 
 
+def test_a_patch_under_another_refuses_to_restore_and_the_outer_one_restores():
+    """Restore unwraps the outermost function: from under a later patch it would take that one off instead."""
+    class Owner(_Owner):
+        pass
+
+    inner, outer = (patching.Patch(name, "keras#4", without="x.") for name in ("inner", "outer"))
+    inner.replaces(Owner, "method", ("self", "a", "b"))(lambda original, self, a, b: original(self, a, b) * 10)
+    outer.replaces(Owner, "method", ("self", "a", "b"))(lambda original, self, a, b: original(self, a, b) + 1)
+    assert inner.apply() and outer.apply() and Owner().method(1, 2) == 31
+    with pytest.raises(RuntimeError, match=r"tfdist cannot undo its patch inner: \S*Owner\.method was patched again "
+                                           r"since \(outer\); undo that one first"):
+        inner.restore()
+    assert inner.applied and Owner().method(1, 2) == 31  # nothing undone
+    outer.restore()
+    inner.restore()
+    assert Owner().method(1, 2) == 3 and not inner.applied and not outer.applied
+
+
 def test_mirrored_strategy_in_a_cluster_warns_that_workers_train_apart(monkeypatch):
     from tfdist import runtime_hooks
 

@@ -102,17 +102,29 @@ class Patch:
                 continue
             original = getattr(replacement.owner, replacement.attribute)
             if isinstance(original, property):
-                patched = property(_wrap(original.fget, replacement), original.fset, original.fdel, original.__doc__)
+                patched = property(_wrap(original.fget, replacement, self.name), original.fset, original.fdel,
+                                   original.__doc__)
             else:
-                patched = _wrap(original, replacement)
+                patched = _wrap(original, replacement, self.name)
             setattr(replacement.owner, replacement.attribute, patched)
         self.applied = True
         return True
 
     def restore(self) -> None:
-        """Puts the originals back, for a patch needed only until something happened (idempotent)."""
+        """Puts the originals back, for a patch needed only until something happened (idempotent); refuses, undoing
+        nothing, where a later patch wraps one of its functions (unwrapping would take that one off)."""
         if not self.applied:
             return
+        for replacement in self.replacements:
+            if replacement.function is None:
+                continue
+            current = getattr(replacement.owner, replacement.attribute)
+            current = current.fget if isinstance(current, property) else current
+            if getattr(current, "__tfdist_replacement__", None) is not replacement:
+                owner = getattr(replacement.owner, "__qualname__", None) or replacement.owner.__name__
+                raise RuntimeError(
+                    f"tfdist cannot undo its patch {self.name}: {owner}.{replacement.attribute} was patched again "
+                    f"since ({getattr(current, '__tfdist_patch__', 'not by tfdist')}); undo that one first.")
         for replacement in reversed(self.replacements):
             if replacement.function is None:
                 if replacement.parameters is None:
@@ -151,7 +163,7 @@ def _check(replacement: _Replacement) -> str | None:
     return None
 
 
-def _wrap(original: Callable, replacement: _Replacement) -> Callable:
+def _wrap(original: Callable, replacement: _Replacement, patch_name: str) -> Callable:
     function = replacement.function
 
     @functools.wraps(original)
@@ -160,4 +172,5 @@ def _wrap(original: Callable, replacement: _Replacement) -> Callable:
         return function(original, *args, **kwargs)
 
     patched.__tfdist_original__ = original
+    patched.__tfdist_replacement__, patched.__tfdist_patch__ = replacement, patch_name
     return patched
