@@ -121,6 +121,7 @@ def test_the_slowest_modules_go_first_under_xdist(tmp_path):
             f"def test_{i}():\n    open({str(log)!r}, 'a').write({name!r} + '\\n')\n\n" for i in range(count)))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.suite_order",
                            "-n", "1", "--dist", "loadfile", str(tmp_path)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert log.read_text().split()[0] == SLOW_MODULES[-1], log.read_text()
