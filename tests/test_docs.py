@@ -125,3 +125,16 @@ def test_the_slowest_modules_go_first_under_xdist(tmp_path):
                               filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert log.read_text().split()[0] == SLOW_MODULES[-1], log.read_text()
+
+
+def test_the_plain_benchmark_trains_what_the_example_trains():
+    """benchmarks/plain_multi_worker_fit.py is examples/multi_worker_fit.py's training without tfdist, line for line
+    (its model, data, fit and evaluate): plain_vs_tfdist.py's ratio compares the same work only while they agree."""
+    def training(path):
+        text = (REPO / path).read_text().replace("tfdist.is_chief()", "is_chief")
+        lines = [line.strip() for line in text.splitlines()]
+        start = next(i for i, line in enumerate(lines) if line.startswith("model = keras.Sequential("))
+        end = next(i for i, line in enumerate(lines) if line.startswith("loss = model.evaluate("))
+        return [line for line in lines[start:end + 1] if line and not line.startswith(("if ", "print("))]
+
+    assert training("benchmarks/plain_multi_worker_fit.py") == training("examples/multi_worker_fit.py")
